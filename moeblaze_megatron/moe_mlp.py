@@ -1,0 +1,118 @@
+"""``moe_mlp``: the MoE expert MLP over a routing plan, with argument checks and backend choice."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .reference import ACTIVATIONS, RECOMPUTE_MODES, ReferenceMoEMLP
+from .routing import RoutingPlan, build_routing_plan, check_topk_ids
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+def moe_mlp(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_probs: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    activation: str = "swiglu",
+    plan: RoutingPlan | None = None,
+    *,
+    recompute: str = "activation",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``y[t] = sum_k topk_probs[t, k] * fc2[e] @ act(fc1[e] @ x[t])`` with ``e = topk_ids[t, k]``.
+
+    Shapes: x [T, d]; topk_ids [T, K] integer; topk_probs [T, K] floating point;
+    fc1_weight [E, 2h, d] for ``activation="swiglu"`` (gate rows, then up rows: Megatron's GLU
+    layout, ``silu(gate) * up``) or [E, h, d] for ``"silu"`` and ``"gelu"``; fc2_weight [E, d, h].
+    Differentiable in x, topk_probs, fc1_weight and fc2_weight.
+
+    ``plan``: a RoutingPlan already built for ``topk_ids`` (built here when None).
+    ``recompute``: ``"activation"`` saves the pre-activations for backward; ``"fc1"`` saves only
+    x, the plan and the probabilities and recomputes the first GEMM in backward.
+    ``backend``: ``"triton"`` (fused kernels; CUDA, or CPU under TRITON_INTERPRET=1),
+    ``"reference"`` (pure PyTorch) or ``"auto"`` (Triton on CUDA, the reference elsewhere).
+    """
+    num_experts = check_moe_mlp_args(
+        x, topk_ids, topk_probs, fc1_weight, fc2_weight, activation, plan, recompute, backend
+    )
+    if plan is None:
+        plan = build_routing_plan(topk_ids, num_experts)
+    if x.shape[0] == 0:
+        # Nothing routed; keep the graph connected so every input still gets a (zero) gradient.
+        return x.new_zeros(x.shape) + 0 * (topk_probs.sum() + fc1_weight.sum() + fc2_weight.sum()).to(x.dtype)
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "reference"
+    if backend == "triton":
+        from .kernels.moe_mlp import TritonMoEMLP
+
+        return TritonMoEMLP.apply(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute)
+    return ReferenceMoEMLP.apply(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute)
+
+
+def check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activation, plan, recompute, backend):
+    """Raise a clear error naming the offending argument; returns the number of experts."""
+    for name, value in (("x", x), ("topk_probs", topk_probs), ("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        if not value.dtype.is_floating_point:
+            raise TypeError(f"{name} must have a floating-point dtype, got {value.dtype}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
+    if fc1_weight.dim() != 3 or fc2_weight.dim() != 3:
+        raise ValueError(
+            f"fc1_weight and fc2_weight must be 3-D [experts, out, in], got shapes "
+            f"{tuple(fc1_weight.shape)} and {tuple(fc2_weight.shape)}"
+        )
+    num_tokens, hidden = x.shape
+    num_experts, fc1_out, fc1_in = fc1_weight.shape
+    ffn = fc2_weight.shape[2]
+    expected_fc1_out = 2 * ffn if activation == "swiglu" else ffn
+    if fc1_in != hidden or fc1_out != expected_fc1_out:
+        raise ValueError(
+            f"fc1_weight has shape {tuple(fc1_weight.shape)}; expected [{num_experts}, "
+            f"{expected_fc1_out}, {hidden}] for activation={activation!r} with x of width {hidden} "
+            f"and fc2_weight of shape {tuple(fc2_weight.shape)}"
+        )
+    if tuple(fc2_weight.shape) != (num_experts, hidden, ffn):
+        raise ValueError(
+            f"fc2_weight has shape {tuple(fc2_weight.shape)}; expected [{num_experts}, {hidden}, {ffn}]"
+        )
+    check_topk_ids(topk_ids, num_experts, check_values=plan is None)
+    if topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows; expected one per token of x ({num_tokens})")
+    if tuple(topk_probs.shape) != tuple(topk_ids.shape):
+        raise ValueError(
+            f"topk_probs has shape {tuple(topk_probs.shape)}; expected the shape of topk_ids {tuple(topk_ids.shape)}"
+        )
+    if x.dtype != fc1_weight.dtype or x.dtype != fc2_weight.dtype:
+        raise TypeError(
+            f"x, fc1_weight and fc2_weight must share a dtype, got {x.dtype}, {fc1_weight.dtype}, {fc2_weight.dtype}"
+        )
+    devices = {name: t.device for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_probs", topk_probs),
+                                               ("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight))}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {', '.join(f'{k}: {v}' for k, v in devices.items())}")
+    if plan is not None:
+        if not isinstance(plan, RoutingPlan):
+            raise TypeError(f"plan must be a RoutingPlan, got {type(plan).__name__}")
+        if plan.num_experts != num_experts or tuple(plan.token_index_map.shape) != tuple(topk_ids.shape):
+            raise ValueError(
+                f"plan was built for {plan.num_tokens} tokens, topk {plan.topk}, {plan.num_experts} experts; "
+                f"the call has {num_tokens} tokens, topk {topk_ids.shape[1]}, {num_experts} experts"
+            )
+        if plan.token_index_map.device != x.device:
+            raise ValueError(f"plan is on {plan.token_index_map.device}; expected x's device {x.device}")
+    if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+    return num_experts

@@ -1,0 +1,117 @@
+"""Pure-PyTorch MoE expert MLP over a routing plan: the CPU path and the kernels' test oracle.
+
+It follows the same memory discipline as the fused kernels: it gathers each expert's rows of x
+on the fly, saves for backward only the pre-activations (or nothing, with recompute="fc1"), the
+plan and the probabilities, and never expands dY to (T*K, d). Expert outputs and input gradients
+are produced in the plan's expert order and summed per token through ``token_index_map`` in slot
+order k = 0..K-1, so the result is deterministic on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = ("swiglu", "silu", "gelu")
+RECOMPUTE_MODES = ("activation", "fc1")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Float32 for 16-bit inputs (what the kernels accumulate in), the input's own dtype otherwise."""
+    return torch.float32 if dtype.itemsize < 4 else dtype
+
+
+def activation_forward(pre: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(pre) in compute precision; for SwiGLU ``pre`` is [gate | up] along the last dimension."""
+    pre = pre.to(compute_dtype(pre.dtype))
+    if activation == "swiglu":
+        gate, up = pre.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if activation == "silu":
+        return F.silu(pre)
+    return F.gelu(pre)
+
+
+def activation_backward(pre: torch.Tensor, grad_h: torch.Tensor, activation: str) -> torch.Tensor:
+    """d act(pre) / d pre applied to ``grad_h``, recomputing silu/gelu from ``pre``."""
+    pre = pre.to(compute_dtype(pre.dtype))
+    grad_h = grad_h.to(pre.dtype)
+    if activation == "swiglu":
+        gate, up = pre.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        d_gate = grad_h * up * sig * (1 + gate * (1 - sig))
+        return torch.cat([d_gate, grad_h * silu], dim=-1)
+    if activation == "silu":
+        sig = torch.sigmoid(pre)
+        return grad_h * sig * (1 + pre * (1 - sig))
+    cdf = 0.5 * (1 + torch.erf(pre * 0.7071067811865476))
+    pdf = torch.exp(-0.5 * pre * pre) * 0.3989422804014327
+    return grad_h * (cdf + pre * pdf)
+
+
+def combine_rows(rows: torch.Tensor, token_index_map: torch.Tensor, probs=None, out_dtype=None):
+    """out[t] = sum_k probs[t, k] * rows[token_index_map[t, k]], summed in k order."""
+    num_tokens, topk = token_index_map.shape
+    acc = compute_dtype(rows.dtype)
+    out = torch.zeros(num_tokens, rows.shape[1], dtype=acc, device=rows.device)
+    for k in range(topk):
+        part = rows[token_index_map[:, k].long()].to(acc)
+        out += part if probs is None else part * probs[:, k, None].to(acc)
+    return out.to(out_dtype or rows.dtype)
+
+
+def _expert_ranges(offsets: torch.Tensor):
+    bounds = offsets.tolist()
+    return [(e, s, t) for e, (s, t) in enumerate(zip(bounds[:-1], bounds[1:])) if t > s]
+
+
+class ReferenceMoEMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute):
+        rows_total = plan.expert_token_indices.shape[0]
+        width = fc1_weight.shape[1]
+        save_pre = recompute == "activation"
+        pre_all = x.new_empty(rows_total, width) if save_pre else None
+        out_rows = x.new_empty(rows_total, x.shape[1])
+        for e, s, t in _expert_ranges(plan.expert_token_offsets):
+            pre = x[plan.expert_token_indices[s:t].long()] @ fc1_weight[e].t()
+            if save_pre:
+                pre_all[s:t] = pre
+            out_rows[s:t] = activation_forward(pre, activation).to(x.dtype) @ fc2_weight[e].t()
+        y = combine_rows(out_rows, plan.token_index_map, topk_probs, out_dtype=x.dtype)
+        ctx.save_for_backward(x, topk_probs, fc1_weight, fc2_weight, pre_all, *plan._tensors())
+        ctx.activation = activation
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from .routing import RoutingPlan
+
+        x, topk_probs, fc1_weight, fc2_weight, pre_all, *plan_tensors = ctx.saved_tensors
+        plan = RoutingPlan(*plan_tensors)
+        act = ctx.activation
+        grad_y = grad_y.contiguous()
+        probs_sorted = plan.permute_probs(topk_probs)
+        rows_total = plan.expert_token_indices.shape[0]
+        grad_x_rows = x.new_empty(rows_total, x.shape[1])
+        acc = compute_dtype(x.dtype)
+        grad_probs_sorted = torch.empty(rows_total, dtype=acc, device=x.device)
+        grad_fc1 = torch.zeros_like(fc1_weight)
+        grad_fc2 = torch.zeros_like(fc2_weight)
+        for e, s, t in _expert_ranges(plan.expert_token_offsets):
+            tokens = plan.expert_token_indices[s:t].long()
+            x_e = x[tokens]
+            grad_y_e = grad_y[tokens]
+            pre = pre_all[s:t] if pre_all is not None else x_e @ fc1_weight[e].t()
+            h = activation_forward(pre, act)
+            grad_h_unscaled = (grad_y_e @ fc2_weight[e]).to(acc)
+            grad_probs_sorted[s:t] = (grad_h_unscaled * h).sum(dim=1)
+            p = probs_sorted[s:t, None].to(acc)
+            grad_fc2[e] = (grad_y_e.t() @ (h * p).to(x.dtype)).to(grad_fc2.dtype)
+            grad_pre = activation_backward(pre, grad_h_unscaled * p, act).to(x.dtype)
+            grad_fc1[e] = (grad_pre.t() @ x_e).to(grad_fc1.dtype)
+            grad_x_rows[s:t] = grad_pre @ fc1_weight[e]
+        grad_x = combine_rows(grad_x_rows, plan.token_index_map, out_dtype=x.dtype)
+        grad_probs = grad_probs_sorted[plan.token_index_map.long()].to(topk_probs.dtype)
+        return grad_x, grad_probs, grad_fc1, grad_fc2, None, None, None

@@ -1,0 +1,211 @@
+"""The routing plan: MoEBlaze's integer index maps, built without a sort or atomics.
+
+A plan describes one routing decision (T tokens, each sent to K distinct experts out of E) with
+O(T*K) integers instead of a (T*K, d) copy of the activations:
+
+* ``expert_token_indices`` [T*K]: token ids grouped by expert, ascending inside each expert;
+* ``expert_token_offsets`` [E+1]: expert e's slice of ``expert_token_indices`` is
+  ``[offsets[e], offsets[e+1])``;
+* ``token_expert_indices`` [T, K]: the expert of each (token, k) slot;
+* ``token_index_map`` [T, K]: where slot (t, k) sits in ``expert_token_indices``.
+
+Every path (the Triton three-step build, the sort path and the pure-PyTorch path) gives the
+identical plan: "grouped by expert, token ids ascending" fixes every position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RoutingPlan", "build_routing_plan", "check_topk_ids", "ROUTING_METHODS"]
+
+ROUTING_METHODS = ("auto", "three_step", "sort", "torch")
+
+# The three-step build keeps a dense (E, T) int8 map; past this many experts (measured on the H200
+# by scripts/bench_routing.py) the narrow-key sort is faster, and its memory stays O(T*K).
+THREE_STEP_MAX_EXPERTS = 128
+_INDEX_LIMIT = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """Index maps of one routing decision. All int32, on the routing ids' device."""
+
+    expert_token_indices: torch.Tensor
+    expert_token_offsets: torch.Tensor
+    token_expert_indices: torch.Tensor
+    token_index_map: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_expert_indices.shape[0]
+
+    @property
+    def topk(self) -> int:
+        return self.token_expert_indices.shape[1]
+
+    @property
+    def num_experts(self) -> int:
+        return self.expert_token_offsets.shape[0] - 1
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        """[E] number of (token, k) slots routed to each expert (int32, on device)."""
+        return self.expert_token_offsets.diff()
+
+    def permute_probs(self, topk_probs: torch.Tensor) -> torch.Tensor:
+        """Router probabilities [T, K] rearranged into the plan's expert order [T*K]."""
+        out = torch.empty(topk_probs.numel(), dtype=topk_probs.dtype, device=topk_probs.device)
+        out[self.token_index_map.reshape(-1).long()] = topk_probs.reshape(-1)
+        return out
+
+    def unpermute_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Values in expert order [T*K, ...] gathered back into slot order [T, K, ...]."""
+        return rows[self.token_index_map.long()]
+
+    def to(self, device) -> "RoutingPlan":
+        return RoutingPlan(*(t.to(device) for t in self._tensors()))
+
+    def _tensors(self):
+        return (
+            self.expert_token_indices,
+            self.expert_token_offsets,
+            self.token_expert_indices,
+            self.token_index_map,
+        )
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RoutingPlan) and all(
+            a.shape == b.shape and bool(torch.equal(a.cpu().long(), b.cpu().long()))
+            for a, b in zip(self._tensors(), other._tensors())
+        )
+
+    __hash__ = None
+
+
+def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, *, check_values: bool = True) -> None:
+    """Raise a clear error for routing ids that no plan can describe.
+
+    ``check_values`` also checks the range and the distinctness of the ids in each row; on a GPU
+    that costs one device-to-host synchronization.
+    """
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must have an integer dtype, got {topk_ids.dtype}")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be 2-D [tokens, topk], got shape {tuple(topk_ids.shape)}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    num_tokens, topk = topk_ids.shape
+    if not 1 <= topk <= num_experts:
+        raise ValueError(
+            f"topk_ids has topk={topk} columns; expected 1 <= topk <= num_experts={num_experts}"
+        )
+    if num_tokens * topk > _INDEX_LIMIT:
+        raise ValueError(
+            f"topk_ids has {num_tokens}*{topk} slots; the plan's int32 indices hold at most "
+            f"{_INDEX_LIMIT}"
+        )
+    if not check_values or num_tokens == 0:
+        return
+    lo, hi = torch.aminmax(topk_ids)
+    sorted_ids = topk_ids.sort(dim=1).values
+    repeated = (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any()
+    lo, hi, repeated = torch.stack([lo.long(), hi.long(), repeated.long()]).tolist()
+    if lo < 0 or hi >= num_experts:
+        raise ValueError(
+            f"topk_ids holds expert ids in [{lo}, {hi}]; expected ids in [0, {num_experts})"
+        )
+    if repeated:
+        raise ValueError("topk_ids names the same expert twice for one token; expected distinct ids per row")
+
+
+def build_routing_plan(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    *,
+    method: str = "auto",
+    validate: bool = True,
+) -> RoutingPlan:
+    """Build the routing plan for ``topk_ids`` [T, K] (expert id of each token's k-th choice).
+
+    ``method``: ``"three_step"`` (the atomic-free Triton build: dense token-expert map, per-expert
+    counts and prefix sum, tile scan and scatter), ``"sort"`` (a stable narrow-key sort, O(T*K)
+    memory, faster for many experts), ``"torch"`` (the pure-PyTorch mirror of the three-step
+    build; the CPU path and the test oracle) or ``"auto"`` (the fastest that applies).
+    ``validate=False`` skips the range and distinctness checks of the ids, and with them the
+    only device-to-host synchronization; invalid ids then give an undefined plan.
+    """
+    if method not in ROUTING_METHODS:
+        raise ValueError(f"method must be one of {ROUTING_METHODS}, got {method!r}")
+    check_topk_ids(topk_ids, num_experts, check_values=validate)
+    if method == "auto":
+        method = choose_routing_method(topk_ids, num_experts)
+    if method == "three_step":
+        from .kernels.routing import three_step_routing_plan
+
+        return RoutingPlan(*three_step_routing_plan(topk_ids, num_experts))
+    if method == "sort":
+        return sort_routing_plan(topk_ids, num_experts)
+    return torch_routing_plan(topk_ids, num_experts)
+
+
+def choose_routing_method(topk_ids: torch.Tensor, num_experts: int) -> str:
+    """The three-step build on the GPU up to THREE_STEP_MAX_EXPERTS, the sort past it; on the CPU the
+    PyTorch path (Triton runs there only under the slow interpreter)."""
+    if topk_ids.device.type == "cuda":
+        if num_experts <= THREE_STEP_MAX_EXPERTS and topk_ids.shape[1] <= 126:
+            return "three_step"
+        return "sort"
+    return "torch"
+
+
+def torch_routing_plan(topk_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
+    """The three-step build in plain PyTorch: dense map, per-expert counts, scan and scatter."""
+    num_tokens, topk = topk_ids.shape
+    device = topk_ids.device
+    ids = topk_ids.long()
+    tokens = torch.arange(num_tokens, device=device)
+    # (a) dense expert-major map: cell (e, t) holds k+1 if token t chose expert e as its k-th.
+    dense = torch.zeros(num_experts, num_tokens, dtype=torch.int32, device=device)
+    dense[ids, tokens[:, None]] = torch.arange(1, topk + 1, dtype=torch.int32, device=device)
+    marked = dense > 0
+    # (b) per-expert counts and their prefix sum.
+    counts = marked.sum(dim=1, dtype=torch.int32)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
+    offsets[1:] = counts.cumsum(0)
+    # (c) rank of each marked cell inside its expert row gives its final slot.
+    rank = marked.cumsum(dim=1, dtype=torch.int32) - 1
+    pos = offsets[:-1, None] + rank
+    expert_token_indices = torch.empty(num_tokens * topk, dtype=torch.int32, device=device)
+    token_index_map = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
+    e_idx, t_idx = marked.nonzero(as_tuple=True)
+    expert_token_indices[pos[e_idx, t_idx].long()] = t_idx.int()
+    token_index_map[t_idx, (dense[e_idx, t_idx] - 1).long()] = pos[e_idx, t_idx]
+    return RoutingPlan(expert_token_indices, offsets, topk_ids.int(), token_index_map)
+
+
+def sort_routing_plan(topk_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
+    """Stable sort of the flattened expert ids: slot t*K+k ascends in t within each expert.
+
+    The keys are cast to the narrowest integer type that holds E, so the radix sort makes as few
+    passes as the expert count needs.
+    """
+    num_tokens, topk = topk_ids.shape
+    device = topk_ids.device
+    key_dtype = torch.uint8 if num_experts <= 256 else (torch.int16 if num_experts <= 32767 else torch.int32)
+    keys = topk_ids.reshape(-1).to(key_dtype)
+    sorted_keys, slots = torch.sort(keys, stable=True)
+    expert_token_indices = torch.div(slots, topk, rounding_mode="floor").int()
+    token_index_map = torch.empty(num_tokens * topk, dtype=torch.int32, device=device)
+    token_index_map[slots] = torch.arange(num_tokens * topk, dtype=torch.int32, device=device)
+    boundaries = torch.arange(num_experts + 1, device=device).to(
+        torch.int32 if key_dtype == torch.uint8 else key_dtype
+    )
+    offsets = torch.searchsorted(sorted_keys.to(boundaries.dtype), boundaries, out_int32=True)
+    return RoutingPlan(
+        expert_token_indices, offsets, topk_ids.int(), token_index_map.view(num_tokens, topk)
+    )
