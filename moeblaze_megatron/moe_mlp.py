@@ -26,7 +26,8 @@ def moe_mlp(
 ) -> torch.Tensor:
     """``y[t] = sum_k topk_probs[t, k] * fc2[e] @ act(fc1[e] @ x[t])`` with ``e = topk_ids[t, k]``.
 
-    Shapes: x [T, d]; topk_ids [T, K] integer; topk_probs [T, K] floating point;
+    Shapes: x [T, d]; topk_ids [T, K] integer (-1 marks an unused slot: the token has fewer
+    than K experts there); topk_probs [T, K] floating point;
     fc1_weight [E, 2h, d] for ``activation="swiglu"`` (gate rows, then up rows: Megatron's GLU
     layout, ``silu(gate) * up``) or [E, h, d] for ``"silu"`` and ``"gelu"``; fc2_weight [E, d, h].
     Differentiable in x, topk_probs, fc1_weight and fc2_weight.

@@ -51,12 +51,14 @@ def activation_backward(pre: torch.Tensor, grad_h: torch.Tensor, activation: str
 
 
 def combine_rows(rows: torch.Tensor, token_index_map: torch.Tensor, probs=None, out_dtype=None):
-    """out[t] = sum_k probs[t, k] * rows[token_index_map[t, k]], summed in k order."""
+    """out[t] = sum_k probs[t, k] * rows[token_index_map[t, k]] over used slots, in k order."""
     num_tokens, topk = token_index_map.shape
     acc = compute_dtype(rows.dtype)
     out = torch.zeros(num_tokens, rows.shape[1], dtype=acc, device=rows.device)
     for k in range(topk):
-        part = rows[token_index_map[:, k].long()].to(acc)
+        pos = token_index_map[:, k].long()
+        used = (pos >= 0)[:, None]
+        part = rows[pos.clamp(min=0)].to(acc) * used
         out += part if probs is None else part * probs[:, k, None].to(acc)
     return out.to(out_dtype or rows.dtype)
 
@@ -113,5 +115,5 @@ class ReferenceMoEMLP(torch.autograd.Function):
             grad_fc1[e] = (grad_pre.t() @ x_e).to(grad_fc1.dtype)
             grad_x_rows[s:t] = grad_pre @ fc1_weight[e]
         grad_x = combine_rows(grad_x_rows, plan.token_index_map, out_dtype=x.dtype)
-        grad_probs = grad_probs_sorted[plan.token_index_map.long()].to(topk_probs.dtype)
+        grad_probs = plan.unpermute_rows(grad_probs_sorted).to(topk_probs.dtype)
         return grad_x, grad_probs, grad_fc1, grad_fc2, None, None, None

@@ -9,6 +9,11 @@ O(T*K) integers instead of a (T*K, d) copy of the activations:
 * ``token_expert_indices`` [T, K]: the expert of each (token, k) slot;
 * ``token_index_map`` [T, K]: where slot (t, k) sits in ``expert_token_indices``.
 
+An id of -1 marks an unused slot: a token routed to fewer than K experts (dropped by a capacity
+limit, or holding fewer of its experts on this rank under expert parallelism). Its
+``token_index_map`` and ``token_expert_indices`` entries are -1; ``expert_token_indices`` holds the
+``offsets[E]`` used slots first and -1 after them.
+
 Every path (the Triton three-step build, the sort path and the pure-PyTorch path) gives the
 identical plan: "grouped by expert, token ids ascending" fixes every position.
 """
@@ -56,14 +61,20 @@ class RoutingPlan:
         return self.expert_token_offsets.diff()
 
     def permute_probs(self, topk_probs: torch.Tensor) -> torch.Tensor:
-        """Router probabilities [T, K] rearranged into the plan's expert order [T*K]."""
-        out = torch.empty(topk_probs.numel(), dtype=topk_probs.dtype, device=topk_probs.device)
-        out[self.token_index_map.reshape(-1).long()] = topk_probs.reshape(-1)
+        """Router probabilities [T, K] rearranged into the plan's expert order [T*K] (0 past the
+        used slots)."""
+        out = torch.zeros(topk_probs.numel(), dtype=topk_probs.dtype, device=topk_probs.device)
+        pos = self.token_index_map.reshape(-1).long()
+        used = pos >= 0
+        out[pos[used]] = topk_probs.reshape(-1)[used]
         return out
 
     def unpermute_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Values in expert order [T*K, ...] gathered back into slot order [T, K, ...]."""
-        return rows[self.token_index_map.long()]
+        """Values in expert order [T*K, ...] gathered back into slot order [T, K, ...]; unused
+        slots get 0."""
+        pos = self.token_index_map.long()
+        used = (pos >= 0).view(*pos.shape, *([1] * (rows.dim() - 1)))
+        return rows[pos.clamp(min=0)] * used
 
     def to(self, device) -> "RoutingPlan":
         return RoutingPlan(*(t.to(device) for t in self._tensors()))
@@ -113,11 +124,12 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, *, check_values: bo
         return
     lo, hi = torch.aminmax(topk_ids)
     sorted_ids = topk_ids.sort(dim=1).values
-    repeated = (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any()
+    repeated = ((sorted_ids[:, 1:] == sorted_ids[:, :-1]) & (sorted_ids[:, 1:] >= 0)).any()
     lo, hi, repeated = torch.stack([lo.long(), hi.long(), repeated.long()]).tolist()
-    if lo < 0 or hi >= num_experts:
+    if lo < -1 or hi >= num_experts:
         raise ValueError(
-            f"topk_ids holds expert ids in [{lo}, {hi}]; expected ids in [0, {num_experts})"
+            f"topk_ids holds expert ids in [{lo}, {hi}]; expected ids in [0, {num_experts}) "
+            f"(or -1 for an unused slot)"
         )
     if repeated:
         raise ValueError("topk_ids names the same expert twice for one token; expected distinct ids per row")
@@ -168,10 +180,12 @@ def torch_routing_plan(topk_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
     num_tokens, topk = topk_ids.shape
     device = topk_ids.device
     ids = topk_ids.long()
-    tokens = torch.arange(num_tokens, device=device)
+    used = ids >= 0
+    tokens = torch.arange(num_tokens, device=device)[:, None].expand(-1, topk)
+    slots = torch.arange(1, topk + 1, dtype=torch.int32, device=device).expand(num_tokens, -1)
     # (a) dense expert-major map: cell (e, t) holds k+1 if token t chose expert e as its k-th.
     dense = torch.zeros(num_experts, num_tokens, dtype=torch.int32, device=device)
-    dense[ids, tokens[:, None]] = torch.arange(1, topk + 1, dtype=torch.int32, device=device)
+    dense[ids[used], tokens[used]] = slots[used]
     marked = dense > 0
     # (b) per-expert counts and their prefix sum.
     counts = marked.sum(dim=1, dtype=torch.int32)
@@ -180,8 +194,8 @@ def torch_routing_plan(topk_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
     # (c) rank of each marked cell inside its expert row gives its final slot.
     rank = marked.cumsum(dim=1, dtype=torch.int32) - 1
     pos = offsets[:-1, None] + rank
-    expert_token_indices = torch.empty(num_tokens * topk, dtype=torch.int32, device=device)
-    token_index_map = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
+    expert_token_indices = torch.full((num_tokens * topk,), -1, dtype=torch.int32, device=device)
+    token_index_map = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=device)
     e_idx, t_idx = marked.nonzero(as_tuple=True)
     expert_token_indices[pos[e_idx, t_idx].long()] = t_idx.int()
     token_index_map[t_idx, (dense[e_idx, t_idx] - 1).long()] = pos[e_idx, t_idx]
@@ -196,12 +210,17 @@ def sort_routing_plan(topk_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
     """
     num_tokens, topk = topk_ids.shape
     device = topk_ids.device
-    key_dtype = torch.uint8 if num_experts <= 256 else (torch.int16 if num_experts <= 32767 else torch.int32)
-    keys = topk_ids.reshape(-1).to(key_dtype)
+    # Unused slots (-1) get key E and sort last.
+    key_dtype = torch.uint8 if num_experts <= 255 else (torch.int16 if num_experts <= 32766 else torch.int32)
+    flat = topk_ids.reshape(-1)
+    keys = torch.where(flat < 0, num_experts, flat).to(key_dtype)
     sorted_keys, slots = torch.sort(keys, stable=True)
-    expert_token_indices = torch.div(slots, topk, rounding_mode="floor").int()
+    unused = sorted_keys == num_experts
+    expert_token_indices = torch.where(unused, -1, torch.div(slots, topk, rounding_mode="floor")).int()
     token_index_map = torch.empty(num_tokens * topk, dtype=torch.int32, device=device)
-    token_index_map[slots] = torch.arange(num_tokens * topk, dtype=torch.int32, device=device)
+    token_index_map[slots] = torch.where(
+        unused, -1, torch.arange(num_tokens * topk, dtype=torch.int32, device=device)
+    ).int()
     boundaries = torch.arange(num_experts + 1, device=device).to(
         torch.int32 if key_dtype == torch.uint8 else key_dtype
     )

@@ -7,6 +7,8 @@
     first slot of each (expert, tile) pair; the first tile of each expert gives its offset.
 (c) ``_scatter_kernel``: a scan inside each (expert, tile) row ranks the marked cells; each then
     writes its token id and its slot, once. No atomics, so the plan is deterministic.
+Unused slots (id -1) are marked -1 by step (a); step (b) fills the unused tail of
+``expert_token_indices`` with -1.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ MAX_TOPK = 126
 
 @triton.jit
 def _dense_map_kernel(
-    topk_ids_ptr, dense_ptr, tile_counts_ptr, T, E, num_tiles,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    topk_ids_ptr, dense_ptr, tile_counts_ptr, token_index_map_ptr, token_expert_indices_ptr,
+    T, E, num_tiles, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_e = tl.program_id(1)
@@ -35,8 +37,12 @@ def _dense_map_kernel(
     e_ok = e < E
     cell = tl.zeros((BLOCK_E, BLOCK_T), dtype=tl.int32)
     for k in tl.static_range(K):
-        ids = tl.load(topk_ids_ptr + t.to(tl.int64) * K + k, mask=t_ok, other=-1).to(tl.int32)
+        slot = t.to(tl.int64) * K + k
+        ids = tl.load(topk_ids_ptr + slot, mask=t_ok, other=-1).to(tl.int32)
         cell = tl.where(ids[None, :] == e[:, None], k + 1, cell)
+        unused = t_ok & (ids < 0) & (pid_e == 0)
+        tl.store(token_index_map_ptr + slot, tl.full((BLOCK_T,), -1, tl.int32), mask=unused)
+        tl.store(token_expert_indices_ptr + slot, tl.full((BLOCK_T,), -1, tl.int32), mask=unused)
     both = e_ok[:, None] & t_ok[None, :]
     tl.store(dense_ptr + e[:, None].to(tl.int64) * T + t[None, :], cell.to(tl.int8), mask=both)
     count = tl.sum((cell > 0).to(tl.int32), axis=1)
@@ -45,7 +51,8 @@ def _dense_map_kernel(
 
 @triton.jit
 def _tile_offsets_kernel(
-    tile_counts_ptr, tile_base_ptr, offsets_ptr, n_items, num_tiles, E, BLOCK: tl.constexpr
+    tile_counts_ptr, tile_base_ptr, offsets_ptr, expert_token_indices_ptr, n_items, num_tiles, E,
+    num_slots, BLOCK: tl.constexpr,
 ):
     carry = tl.zeros((), dtype=tl.int32)
     for start in range(0, n_items, BLOCK):
@@ -57,6 +64,9 @@ def _tile_offsets_kernel(
         tl.store(offsets_ptr + i // num_tiles, base, mask=ok & (i % num_tiles == 0))
         carry += tl.sum(c, axis=0)
     tl.store(offsets_ptr + E, carry)
+    for start in range(carry, num_slots, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        tl.store(expert_token_indices_ptr + i, tl.full((BLOCK,), -1, tl.int32), mask=i < num_slots)
 
 
 @triton.jit
@@ -98,12 +108,12 @@ def three_step_routing_plan(topk_ids: torch.Tensor, num_experts: int):
     token_expert_indices = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
     grid = (num_tiles, triton.cdiv(num_experts, BLOCK_E))
     _dense_map_kernel[grid](
-        topk_ids, dense, tile_counts, num_tokens, num_experts, num_tiles,
-        K=topk, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
+        topk_ids, dense, tile_counts, token_index_map, token_expert_indices,
+        num_tokens, num_experts, num_tiles, K=topk, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
     )
     _tile_offsets_kernel[(1,)](
-        tile_counts, tile_base, offsets, num_experts * num_tiles, num_tiles, num_experts,
-        BLOCK=SCAN_BLOCK,
+        tile_counts, tile_base, offsets, expert_token_indices, num_experts * num_tiles, num_tiles,
+        num_experts, num_tokens * topk, BLOCK=SCAN_BLOCK,
     )
     _scatter_kernel[grid](
         dense, tile_base, expert_token_indices, token_index_map, token_expert_indices,
