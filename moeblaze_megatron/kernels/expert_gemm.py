@@ -1,0 +1,303 @@
+"""Grouped expert GEMMs over a routing plan, gathering their rows on the fly.
+
+Two kernels serve the whole forward and backward pass:
+
+* ``_row_gemm_kernel``: for every expert e and every row r of its slice of the plan,
+  ``C[r] = A[src(r)] @ B[e]`` where ``src(r)`` is the token id (``GATHER_A``: rows of x or dY read
+  in place through ``expert_token_indices``) or r itself (A already in expert order). Its epilogue
+  is one of: store C; the activation forward (SwiGLU: one load of x feeds the gate and the up
+  accumulators, and silu(gate) * up is formed in registers); the activation backward (silu
+  recomputed from the saved pre-activations, the router-probability gradient as a row dot
+  product, the probability scaling).
+* ``_weight_grad_kernel``: ``dW[e] = A[rows(e)]^T @ B[rows(e)]``, each program reducing one output
+  tile over all rows of its expert in a fixed order (no atomics, so deterministic).
+
+Row tiles never straddle two experts: row-tile i is mapped to its expert inside the kernel from
+``expert_token_offsets``, so no host synchronization is needed and the grid is an upper bound
+(``cdiv(T*K, BLOCK_M) + E`` row tiles). All row and expert offsets are 64-bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .numerics import dot, dot_flags, interpreting, to_storage
+
+ACT_SWIGLU, ACT_SILU, ACT_GELU = 0, 1, 2
+ACTIVATION_IDS = {"swiglu": ACT_SWIGLU, "silu": ACT_SILU, "gelu": ACT_GELU}
+EPI_STORE, EPI_ACT_FWD, EPI_ACT_BWD = 0, 1, 2
+
+
+@triton.jit
+def _silu_parts(g):
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    return sig, g * sig
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    if ACT == 2:
+        return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    else:
+        sig, silu = _silu_parts(g)
+        return silu
+
+
+@triton.jit
+def _act_grad(g, ACT: tl.constexpr):
+    if ACT == 2:
+        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
+        return cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+    else:
+        sig, silu = _silu_parts(g)
+        return sig * (1.0 + g * (1.0 - sig))
+
+
+@triton.jit
+def _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """Row tile ``pid_m`` -> (expert, first row, end of the expert's rows, tile exists)."""
+    e_idx = tl.arange(0, E_POW2)
+    lo = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
+    hi = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, axis=0)
+    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+    this = e_idx == e
+    first_tile = tl.sum(tl.where(this, ends - tiles, 0), axis=0)
+    row0 = tl.sum(tl.where(this, lo, 0), axis=0) + (pid_m - first_tile) * BLOCK_M
+    row_end = tl.sum(tl.where(this, hi, 0), axis=0)
+    return e, row0, row_end, pid_m < tl.sum(tiles, axis=0)
+
+
+def _row_gemm_configs():
+    if interpreting():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in (
+            (128, 128, 64, 8, 4),
+            (128, 256, 64, 8, 3),
+            (128, 64, 64, 4, 4),
+            (64, 128, 64, 4, 4),
+            (64, 64, 64, 4, 4),
+        )
+    ]
+
+
+def _prune_row_gemm(configs, named_args, **kwargs):
+    # The gated activation keeps two accumulators: cap their combined width at 256 columns.
+    glu = named_args["ACT"] == ACT_SWIGLU and named_args["EPILOGUE"] != EPI_STORE
+    keep = [c for c in configs if not (glu and c.kwargs["BLOCK_N"] > 128)]
+    return keep or configs[:1]
+
+
+@triton.autotune(
+    configs=_row_gemm_configs(),
+    key=["N", "K", "E", "rows_bucket", "EPILOGUE", "ACT", "GATHER_A"],
+    prune_configs_by={"early_config_prune": _prune_row_gemm},
+    # The activation backward rewrites pre in place and fills one ds column per column tile.
+    restore_value=["pre_ptr"],
+    reset_to_zero=["ds_ptr"],
+)
+@triton.jit
+def _row_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr,
+    token_idx_ptr, offsets_ptr,
+    rows_total, rows_bucket, N, K, E,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+    stride_cm, stride_pm, stride_dsm,
+    EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATHER_A: tl.constexpr, STORE_PRE: tl.constexpr,
+    MEND_BF16: tl.constexpr, PRECISION: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C = A[src] @ B[e] per expert row tile, then the epilogue.
+
+    EPI_STORE:   c[r, n] = acc.
+    EPI_ACT_FWD: pre = acc (gate | up for SwiGLU, stored when STORE_PRE), c = act(pre).
+    EPI_ACT_BWD: acc is dH (unscaled); pre holds the saved pre-activations and receives
+                 d pre in place; c receives p * act(pre) (for dW2); ds receives
+                 <dH, act(pre)> summed over this program's columns (one partial per column tile).
+    For SwiGLU, N is the width h of one half; the up half sits N columns after the gate half.
+    """
+    GLU: tl.constexpr = ACT == 0 and EPILOGUE != 0
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(rows_total, BLOCK_M) + E
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * n_tiles
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+
+    e, row0, row_end, exists = _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M, E_POW2)
+    if exists:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        if GATHER_A:
+            src = tl.load(token_idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        else:
+            src = rows.to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :] * stride_ak
+        b_ptrs = b_ptr + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :].to(tl.int64) * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = dot(a, b, acc, MEND_BF16, PRECISION)
+            if GLU and EPILOGUE == 1:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                acc_up = dot(a, b_up, acc_up, MEND_BF16, PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+
+        out_dtype = c_ptr.dtype.element_ty
+        r64 = rows.to(tl.int64)
+        mask = row_ok[:, None] & col_ok[None, :]
+        c_ptrs = c_ptr + r64[:, None] * stride_cm + cols[None, :]
+        pre_ptrs = pre_ptr + r64[:, None] * stride_pm + cols[None, :]
+        if EPILOGUE == 0:
+            tl.store(c_ptrs, to_storage(acc, out_dtype, MEND_BF16), mask=mask)
+        elif EPILOGUE == 1:
+            # Round to the storage dtype first: backward recomputes from the stored values.
+            gate = to_storage(acc, out_dtype, MEND_BF16)
+            if STORE_PRE:
+                tl.store(pre_ptrs, gate, mask=mask)
+            if GLU:
+                up = to_storage(acc_up, out_dtype, MEND_BF16)
+                if STORE_PRE:
+                    tl.store(pre_ptrs + N, up, mask=mask)
+                h = _act(gate.to(tl.float32), ACT) * up.to(tl.float32)
+            else:
+                h = _act(gate.to(tl.float32), ACT)
+            tl.store(c_ptrs, to_storage(h, out_dtype, MEND_BF16), mask=mask)
+        else:
+            p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            g = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
+            if GLU:
+                up = tl.load(pre_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+                sig, silu = _silu_parts(g)
+                h = silu * up
+                dh = acc * p[:, None]
+                d_gate = dh * up * sig * (1.0 + g * (1.0 - sig))
+                tl.store(pre_ptrs, to_storage(d_gate, out_dtype, MEND_BF16), mask=mask)
+                tl.store(pre_ptrs + N, to_storage(dh * silu, out_dtype, MEND_BF16), mask=mask)
+            else:
+                h = _act(g, ACT)
+                tl.store(pre_ptrs, to_storage(acc * p[:, None] * _act_grad(g, ACT), out_dtype, MEND_BF16), mask=mask)
+            tl.store(c_ptrs, to_storage(h * p[:, None], out_dtype, MEND_BF16), mask=mask)
+            ds = tl.sum(tl.where(mask, acc * h, 0.0), axis=1)
+            tl.store(ds_ptr + r64 * stride_dsm + pid_n, ds, mask=row_ok)
+
+
+def _weight_grad_configs():
+    if interpreting():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in (
+            (128, 128, 64, 8, 4),
+            (128, 256, 64, 8, 3),
+            (128, 128, 32, 8, 4),
+            (64, 128, 64, 4, 4),
+        )
+    ]
+
+
+@triton.autotune(configs=_weight_grad_configs(), key=["M", "N", "E", "rows_bucket", "GATHER_A", "GATHER_B"])
+@triton.jit
+def _weight_grad_kernel(
+    a_ptr, b_ptr, c_ptr, token_idx_ptr, offsets_ptr,
+    rows_bucket, M, N, E,
+    stride_am, stride_bm, stride_ce, stride_cm,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, MEND_BF16: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """c[e, m, n] = sum over rows r of expert e of A[srcA(r), m] * B[srcB(r), n].
+
+    A and B have unit column stride; ``src`` is the token id (GATHER_*) or r. Experts with no rows
+    get zeros.
+    """
+    pid_mn = tl.program_id(0)
+    e = tl.program_id(1)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid_m = pid_mn // n_tiles
+    pid_n = pid_mn % n_tiles
+    lo = tl.load(offsets_ptr + e)
+    hi = tl.load(offsets_ptr + e + 1)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = ms < M
+    n_ok = ns < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(lo, hi, BLOCK_K):
+        rows = r0 + tl.arange(0, BLOCK_K)
+        r_ok = rows < hi
+        if GATHER_A or GATHER_B:
+            tok = tl.load(token_idx_ptr + rows, mask=r_ok, other=0).to(tl.int64)
+        src_a = tok if GATHER_A else rows.to(tl.int64)
+        src_b = tok if GATHER_B else rows.to(tl.int64)
+        a = tl.load(a_ptr + src_a[None, :] * stride_am + ms[:, None], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + src_b[:, None] * stride_bm + ns[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = dot(a, b, acc, MEND_BF16, PRECISION)
+    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + ms[:, None].to(tl.int64) * stride_cm + ns[None, :]
+    tl.store(c_ptrs, to_storage(acc, c_ptr.dtype.element_ty, MEND_BF16), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, activation="swiglu",
+             gather_a=True, pre=None, store_pre=True, probs_sorted=None, ds_partial=None, n=None):
+    """Launch ``_row_gemm_kernel`` over ``n`` output columns; ``weight`` is [E, out, in]
+    (``transpose_weight``: multiply by its transpose, as nn.Linear does) or [E, in, out].
+    ``ds_partial`` (activation backward) must be zeroed and ``row_gemm_ds_tiles(n)`` wide."""
+    rows_total = plan.expert_token_indices.shape[0]
+    num_experts = plan.num_experts
+    k_dim = a.shape[1]
+    if transpose_weight:
+        stride_bk, stride_bn = weight.stride(2), weight.stride(1)
+    else:
+        stride_bk, stride_bn = weight.stride(1), weight.stride(2)
+    mend, precision = dot_flags(a.dtype)
+    grid = lambda meta: ((triton.cdiv(rows_total, meta["BLOCK_M"]) + num_experts) * triton.cdiv(n, meta["BLOCK_N"]),)
+    _row_gemm_kernel[grid](
+        a, weight, out, pre if pre is not None else out,
+        probs_sorted if probs_sorted is not None else out,
+        ds_partial if ds_partial is not None else out,
+        plan.expert_token_indices, plan.expert_token_offsets,
+        rows_total, _next_pow2(rows_total), n, k_dim, num_experts,
+        a.stride(0), a.stride(1), weight.stride(0), stride_bk, stride_bn,
+        out.stride(0), pre.stride(0) if pre is not None else 0,
+        ds_partial.stride(0) if ds_partial is not None else 0,
+        EPILOGUE=epilogue, ACT=ACTIVATION_IDS[activation], GATHER_A=gather_a, STORE_PRE=store_pre,
+        MEND_BF16=mend, PRECISION=precision, E_POW2=max(_next_pow2(num_experts + 1), 16),
+    )
+
+
+def row_gemm_ds_tiles(n: int) -> int:
+    """Upper bound on the column tiles of the activation-backward epilogue (its ds width)."""
+    smallest = min(c.kwargs["BLOCK_N"] for c in _row_gemm_configs())
+    return triton.cdiv(n, smallest)
+
+
+def weight_grad(a, b, out, plan, *, gather_a, gather_b):
+    """out[e] = A[rows(e)]^T @ B[rows(e)] for every expert; out is [E, M, N]."""
+    m_dim, n_dim = a.shape[1], b.shape[1]
+    num_experts = plan.num_experts
+    mend, precision = dot_flags(a.dtype)
+    rows_total = plan.expert_token_indices.shape[0]
+    grid = lambda meta: (triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]), num_experts)
+    _weight_grad_kernel[grid](
+        a, b, out, plan.expert_token_indices, plan.expert_token_offsets,
+        _next_pow2(rows_total), m_dim, n_dim, num_experts,
+        a.stride(0), b.stride(0), out.stride(0), out.stride(1),
+        GATHER_A=gather_a, GATHER_B=gather_b, MEND_BF16=mend, PRECISION=precision,
+    )

@@ -1,0 +1,83 @@
+"""The fused MoE expert MLP as an autograd Function over the Triton kernels.
+
+Forward: GEMM1 gathers x through the plan and applies the activation in its epilogue (saving the
+pre-activations unless recompute="fc1"); GEMM2 multiplies by fc2 in expert order; the combine
+kernel weights each slot by its router probability and sums a token's K rows.
+Backward: dH = gathered dY @ fc2 with the activation backward, the probability scaling and the
+router-probability gradient <dH, h> in the epilogue, writing d pre over the saved pre-activations;
+dW2 and dW1 as per-expert reductions over gathered rows; dx as d pre @ fc1 summed per token.
+The only (T*K, d) tensors are the transient expert-order outputs reduced right after their GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .combine import combine
+from .expert_gemm import EPI_ACT_BWD, EPI_ACT_FWD, EPI_STORE, row_gemm, row_gemm_ds_tiles, weight_grad
+
+
+class TritonMoEMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute):
+        x = x.contiguous()
+        rows_total = plan.expert_token_indices.shape[0]
+        hidden = x.shape[1]
+        ffn = fc2_weight.shape[2]
+        save_pre = recompute == "activation"
+        pre = x.new_empty(rows_total, fc1_weight.shape[1]) if save_pre else None
+        h = x.new_empty(rows_total, ffn)
+        row_gemm(x, fc1_weight, h, plan, transpose_weight=True, epilogue=EPI_ACT_FWD,
+                 activation=activation, gather_a=True, pre=pre, store_pre=save_pre, n=ffn)
+        expert_out = x.new_empty(rows_total, hidden)
+        row_gemm(h, fc2_weight, expert_out, plan, transpose_weight=True, gather_a=False, n=hidden)
+        del h
+        y = combine(expert_out, plan.token_index_map, topk_probs, x.dtype)
+        ctx.save_for_backward(x, topk_probs, fc1_weight, fc2_weight, pre, *plan._tensors())
+        ctx.activation = activation
+        ctx.backward_done = False
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from ..routing import RoutingPlan
+
+        if ctx.backward_done:
+            raise RuntimeError(
+                "moe_mlp's backward overwrites its saved pre-activations and can run once per "
+                "forward; retain_graph=True with a second backward is not supported"
+            )
+        ctx.backward_done = True
+        x, topk_probs, fc1_weight, fc2_weight, pre, *plan_tensors = ctx.saved_tensors
+        plan = RoutingPlan(*plan_tensors)
+        activation = ctx.activation
+        grad_y = grad_y.contiguous()
+        rows_total = plan.expert_token_indices.shape[0]
+        hidden = x.shape[1]
+        ffn = fc2_weight.shape[2]
+        if pre is None:
+            pre = x.new_empty(rows_total, fc1_weight.shape[1])
+            row_gemm(x, fc1_weight, pre, plan, transpose_weight=True, gather_a=True, n=fc1_weight.shape[1])
+        probs_sorted = plan.permute_probs(topk_probs)
+        h_scaled = x.new_empty(rows_total, ffn)
+        ds_partial = torch.zeros(rows_total, row_gemm_ds_tiles(ffn), dtype=torch.float32, device=x.device)
+        # After this launch `pre` holds d pre.
+        row_gemm(grad_y, fc2_weight, h_scaled, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
+                 activation=activation, gather_a=True, pre=pre, probs_sorted=probs_sorted,
+                 ds_partial=ds_partial, n=ffn)
+        grad_pre = pre
+        grad_x = grad_probs = grad_fc1 = grad_fc2 = None
+        if ctx.needs_input_grad[3]:
+            grad_fc2 = torch.empty_like(fc2_weight, memory_format=torch.contiguous_format)
+            weight_grad(grad_y, h_scaled, grad_fc2, plan, gather_a=True, gather_b=False)
+        del h_scaled
+        if ctx.needs_input_grad[2]:
+            grad_fc1 = torch.empty_like(fc1_weight, memory_format=torch.contiguous_format)
+            weight_grad(grad_pre, x, grad_fc1, plan, gather_a=False, gather_b=True)
+        if ctx.needs_input_grad[0]:
+            grad_rows = x.new_empty(rows_total, hidden)
+            row_gemm(grad_pre, fc1_weight, grad_rows, plan, transpose_weight=False, gather_a=False, n=hidden)
+            grad_x = combine(grad_rows, plan.token_index_map, None, x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_probs = plan.unpermute_rows(ds_partial.sum(dim=1)).to(topk_probs.dtype)
+        return grad_x, grad_probs, grad_fc1, grad_fc2, None, None, None

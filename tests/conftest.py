@@ -1,0 +1,332 @@
+"""Shared test helpers: routing cases, the float64 dense MoE oracle, plan checks and the
+saved-for-backward audit.
+
+Helpers are plain functions (``from conftest import ...``) so every test file, and later the
+Triton-backend and dispatcher tests, can build the same inputs and use the same oracles.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when moeblaze_megatron.kernels is
+# first imported: set it here, before any test module imports the package. Without a GPU the
+# interpreter is the only way the kernels run; with one, the real kernels are tested.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# Backends the moe_mlp tests run on. The fused Triton kernels join this list when they land; the
+# tolerances below depend on the dtype only, so every backend is held to the same bar.
+MOE_MLP_BACKENDS = ["reference"]
+
+# Relative error ||got - want|| / ||want|| allowed against the float64 oracle.
+# float32: unit roundoff u = 6e-8; a sum of n products carries an error growing like sqrt(n) * u
+#   (n <= a few hundred here), and each output passes through three such sums (fc1, fc2, the
+#   combine over k) plus the activation, so errors are ~1e-6; 1e-5 leaves a 10x margin while a
+#   wrong index, a missing probability or a wrong activation derivative gives errors of order 1.
+# bfloat16: u = 2**-9 = 2e-3. Inputs are rounded to bf16 before both paths see them, so the error
+#   comes from rounding the intermediates (pre-activations, activations, expert outputs, and in
+#   backward the scaled activation gradients): each rounding adds ~u/sqrt(3) relative error in
+#   norm (uniform rounding error), about four of them in sequence give ~2.5e-3, measured 3-5e-3.
+#   8 * u = 1.6e-2 bounds that with margin and still catches any structural mistake.
+# float64: the only difference from the oracle is the order of summation.
+REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 8 * 2.0**-9, torch.float64: 1e-12}
+
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def three_step_available(device: torch.device) -> bool:
+    """The Triton build runs on CUDA tensors, or on CPU tensors under the interpreter."""
+    return device.type == "cuda" or TRITON_INTERPRETED
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| in float64 (0 when both are zero; inf when only want is)."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    diff = (got - want).norm().item()
+    scale = want.norm().item()
+    if scale == 0:
+        return 0.0 if diff == 0 else float("inf")
+    return diff / scale
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing inputs
+
+
+def random_topk_ids(
+    num_tokens: int,
+    num_experts: int,
+    topk: int,
+    generator: torch.Generator,
+    experts: list[int] | None = None,
+) -> torch.Tensor:
+    """int64 [T, K] ids, distinct in each row, drawn uniformly from ``experts`` (default all)."""
+    pool = torch.tensor(experts if experts is not None else range(num_experts), dtype=torch.long)
+    assert topk <= len(pool)
+    scores = torch.rand(num_tokens, len(pool), generator=generator)
+    return pool[scores.argsort(dim=1)[:, :topk]]
+
+
+def drop_slots(topk_ids: torch.Tensor, fraction: float, generator: torch.Generator) -> torch.Tensor:
+    """Mark about ``fraction`` of the slots unused (-1), as a capacity limit or EP would."""
+    drop = torch.rand(topk_ids.shape, generator=generator) < fraction
+    return topk_ids.masked_fill(drop, -1)
+
+
+def make_topk_ids(kind: str, num_tokens: int, num_experts: int, topk: int, generator: torch.Generator):
+    """Routing ids of a named pattern (int64, CPU):
+
+    ``random``: distinct uniform ids; ``empty_experts``: the first, a middle and the last expert get
+    no tokens; ``one_expert``: every slot of every token names the same K experts in a random order
+    per row (K = 1: every token on one expert); ``unused``: about 30% of slots -1 plus the first,
+    a middle and the last row entirely unused; ``all_unused``: every slot -1.
+    """
+    if kind == "random":
+        return random_topk_ids(num_tokens, num_experts, topk, generator)
+    if kind == "empty_experts":
+        empty = {0, num_experts // 2, num_experts - 1}
+        rest = [e for e in range(num_experts) if e not in empty]
+        return random_topk_ids(num_tokens, num_experts, topk, generator, experts=rest)
+    if kind == "one_expert":
+        chosen = torch.randperm(num_experts, generator=generator)[:topk]
+        order = torch.rand(num_tokens, topk, generator=generator).argsort(dim=1)
+        return chosen[order]
+    if kind == "unused":
+        ids = drop_slots(random_topk_ids(num_tokens, num_experts, topk, generator), 0.3, generator)
+        if num_tokens:
+            ids[[0, num_tokens // 2, num_tokens - 1]] = -1
+        return ids
+    if kind == "all_unused":
+        return torch.full((num_tokens, topk), -1, dtype=torch.long)
+    raise ValueError(f"unknown routing kind {kind!r}")
+
+
+# (case id, kind, T, E, K). Sizes are chosen against the three-step build's tiles (512 tokens,
+# 16 experts, a 4096-entry scan block) and against 16/32/64, the usual GEMM tile sizes.
+ROUTING_CASES = [
+    ("random", "random", 37, 8, 2),
+    ("multi_tile", "random", 1100, 40, 4),  # 3 token tiles x 3 expert blocks, ragged in both
+    ("empty_experts", "empty_experts", 300, 16, 2),
+    ("all_on_one_expert_k1", "one_expert", 200, 8, 1),
+    ("all_on_same_k_experts", "one_expert", 200, 8, 3),
+    ("top1", "random", 777, 16, 1),
+    ("k_equals_e", "random", 100, 8, 8),
+    ("t_not_multiple", "random", 1000, 24, 2),  # 1000 is not a multiple of 16, 32, 64 or 512
+    ("single_token", "random", 1, 8, 2),
+    ("single_expert", "random", 50, 1, 1),
+    ("unused_slots", "unused", 300, 12, 3),
+    ("all_unused", "all_unused", 20, 4, 2),
+    ("no_tokens", "random", 0, 8, 2),
+    ("e255_unused", "unused", 400, 255, 2),  # the widest uint8 sort key plus the -1 key
+    ("e256", "random", 300, 256, 4),  # first expert count needing 16-bit sort keys
+    # 14 tiles x 300 experts = 4200 counts, more than one scan block, and > 4096 unused slots
+    # for the tail fill.
+    ("scan_carry", "unused", 7000, 300, 2),
+]
+ROUTING_CASE_IDS = [case[0] for case in ROUTING_CASES]
+
+
+def make_routing_case(case_id: str, seed: int = 0):
+    """(topk_ids int64 on CPU, num_experts) of one of ROUTING_CASES."""
+    _, kind, num_tokens, num_experts, topk = next(c for c in ROUTING_CASES if c[0] == case_id)
+    generator = torch.Generator().manual_seed(seed)
+    return make_topk_ids(kind, num_tokens, num_experts, topk, generator), num_experts
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing plan oracle and invariants
+
+
+def expected_plan(topk_ids: torch.Tensor, num_experts: int) -> dict[str, list]:
+    """The plan's four fields as nested lists, built by plain Python loops from the definition."""
+    ids = topk_ids.tolist()
+    num_tokens, topk = topk_ids.shape
+    per_expert = [[] for _ in range(num_experts)]
+    for t, row in enumerate(ids):  # t ascending, so each expert's list ascends too
+        for k, e in enumerate(row):
+            if e >= 0:
+                per_expert[e].append((t, k))
+    expert_token_indices, offsets = [], [0]
+    token_index_map = [[-1] * topk for _ in range(num_tokens)]
+    for slots in per_expert:
+        for t, k in slots:
+            token_index_map[t][k] = len(expert_token_indices)
+            expert_token_indices.append(t)
+        offsets.append(len(expert_token_indices))
+    expert_token_indices += [-1] * (num_tokens * topk - len(expert_token_indices))
+    return {
+        "expert_token_indices": expert_token_indices,
+        "expert_token_offsets": offsets,
+        "token_expert_indices": ids,
+        "token_index_map": token_index_map,
+    }
+
+
+PLAN_FIELDS = ("expert_token_indices", "expert_token_offsets", "token_expert_indices", "token_index_map")
+
+
+def assert_plan_invariants(plan, topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Check the properties that define a plan, vectorized (usable at any size)."""
+    num_tokens, topk = topk_ids.shape
+    ids = topk_ids.long().cpu()
+    for name in PLAN_FIELDS:
+        assert getattr(plan, name).device == topk_ids.device, f"{name} is not on the ids' device"
+    eti = plan.expert_token_indices.cpu()
+    offsets = plan.expert_token_offsets.cpu()
+    tei = plan.token_expert_indices.cpu()
+    tim = plan.token_index_map.cpu()
+    for name, tensor, shape in (
+        ("expert_token_indices", eti, (num_tokens * topk,)),
+        ("expert_token_offsets", offsets, (num_experts + 1,)),
+        ("token_expert_indices", tei, (num_tokens, topk)),
+        ("token_index_map", tim, (num_tokens, topk)),
+    ):
+        assert tensor.dtype == torch.int32, f"{name} is {tensor.dtype}, expected int32"
+        assert tuple(tensor.shape) == shape, f"{name} has shape {tuple(tensor.shape)}, expected {shape}"
+    used = ids >= 0
+    n_used = int(used.sum())
+    # Offsets are the cumulative counts of each expert's used slots.
+    counts = torch.bincount(ids[used], minlength=num_experts)
+    assert offsets[0] == 0
+    assert torch.equal(offsets.diff().long(), counts), "offsets are not the cumulative expert counts"
+    assert int(offsets[-1]) == n_used
+    assert torch.equal(tei.long(), torch.where(used, ids, -1)), "token_expert_indices != topk_ids"
+    # Unused slots map nowhere; the tail past the used slots is -1.
+    assert bool((tim[~used] == -1).all()), "an unused slot has a position"
+    assert bool((eti[n_used:] == -1).all()), "the tail of expert_token_indices is not -1"
+    # token_index_map is a bijection from used slots onto [0, n_used) and inverts
+    # expert_token_indices: slot (t, k) sits at a position holding t, inside expert e's range.
+    pos = tim[used].long()
+    assert torch.equal(pos.sort().values, torch.arange(n_used)), "positions are not a permutation"
+    tokens = torch.arange(num_tokens)[:, None].expand(-1, topk)[used]
+    assert torch.equal(eti[pos].long(), tokens), "token_index_map does not invert expert_token_indices"
+    experts = ids[used]
+    assert bool(((offsets[experts] <= pos) & (pos < offsets[experts + 1])).all()), "slot outside its expert"
+    # Token ids strictly ascend inside each expert's range (and so are distinct there).
+    head = eti[:n_used].long()
+    same_expert = torch.bucketize(torch.arange(n_used), offsets[1:].long(), right=True)
+    step_ok = (head[1:] > head[:-1]) | (same_expert[1:] != same_expert[:-1])
+    assert bool(step_ok.all()), "token ids do not ascend inside an expert"
+
+
+def assert_plans_identical(got, want, label: str = "") -> None:
+    """Bitwise equality of every field, dtype and shape included (RoutingPlan.__eq__ ignores dtype)."""
+    for name in PLAN_FIELDS:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{label} {name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a.cpu(), b.cpu()), f"{label} {name} differs"
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE MLP oracle and problems
+
+
+def _activation64(pre: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "swiglu":
+        gate, up = pre.chunk(2, dim=-1)  # Megatron's GLU layout: [gate | up]
+        return gate * torch.sigmoid(gate) * up
+    if activation == "silu":
+        return pre * torch.sigmoid(pre)
+    if activation == "gelu":
+        return F.gelu(pre)  # the exact (erf) GELU, as Megatron's default
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def dense_moe_reference(x, topk_ids, topk_probs, fc1, fc2, activation: str) -> torch.Tensor:
+    """The MoE MLP in float64 by its definition: every expert runs on every token, and a dense
+    [T] weight (the token's probability for that expert, 0 if not chosen or unused) masks it.
+
+    Independent of RoutingPlan; differentiable, so autograd through it gives the reference
+    gradients of x, topk_probs, fc1 and fc2.
+    """
+    x, probs, fc1, fc2 = x.double(), topk_probs.double(), fc1.double(), fc2.double()
+    y = torch.zeros(x.shape[0], fc2.shape[1], dtype=torch.float64, device=x.device)
+    for e in range(fc1.shape[0]):
+        weight = (probs * (topk_ids == e)).sum(dim=1)
+        y = y + weight[:, None] * (_activation64(x @ fc1[e].t(), activation) @ fc2[e].t())
+    return y
+
+
+def make_moe_problem(
+    num_tokens: int,
+    hidden: int,
+    ffn: int,
+    num_experts: int,
+    topk: int,
+    activation: str,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+    routing: str = "random",
+    probs_dtype: torch.dtype | None = None,
+    device=DEVICE,
+) -> dict:
+    """Leaf tensors for moe_mlp, scaled so pre-activations and outputs are O(1); x, probs and the
+    weights require grad. topk_ids are int64; probs have ``probs_dtype`` (default: ``dtype``)."""
+    fc1_rows = 2 * ffn if activation == "swiglu" else ffn
+    ids = make_topk_ids(routing, num_tokens, num_experts, topk, generator)
+    probs = torch.rand(num_tokens, topk, generator=generator).softmax(dim=1)
+    tensors = {
+        "x": torch.randn(num_tokens, hidden, generator=generator),
+        "topk_probs": probs,
+        "fc1_weight": torch.randn(num_experts, fc1_rows, hidden, generator=generator) / hidden**0.5,
+        "fc2_weight": torch.randn(num_experts, hidden, ffn, generator=generator) / ffn**0.5,
+    }
+    problem = {
+        name: t.to(device=device, dtype=(probs_dtype or dtype) if name == "topk_probs" else dtype).requires_grad_()
+        for name, t in tensors.items()
+    }
+    problem["topk_ids"] = ids.to(device)
+    return problem
+
+
+GRAD_INPUTS = ("x", "topk_probs", "fc1_weight", "fc2_weight")
+
+
+def dense_reference_and_grads(problem: dict, activation: str, grad_y: torch.Tensor):
+    """Oracle output and gradients (float64) for ``problem`` with upstream gradient ``grad_y``."""
+    leaves = {n: problem[n].detach().double().requires_grad_() for n in GRAD_INPUTS}
+    y = dense_moe_reference(
+        leaves["x"], problem["topk_ids"], leaves["topk_probs"], leaves["fc1_weight"], leaves["fc2_weight"], activation
+    )
+    y.backward(grad_y.double())
+    return y.detach(), {n: leaves[n].grad for n in GRAD_INPUTS}
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory audit
+
+
+def saved_bytes_for_backward(fn, parameters):
+    """Run ``fn()`` and return (its result, bytes autograd saved for backward meanwhile).
+
+    Tensors whose storage is one of ``parameters`` (the weights, which exist anyway) are not
+    counted; every other storage is counted once, whole, however many views of it are saved:
+    that is the memory kept alive until backward.
+    """
+    excluded = {p.untyped_storage().data_ptr() for p in parameters}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = fn()
+    return result, sum(saved.values())
+
+
+@pytest.fixture
+def generator():
+    """A CPU generator with a fixed seed per test: inputs are random but every failure reproduces."""
+    return torch.Generator().manual_seed(1234)
