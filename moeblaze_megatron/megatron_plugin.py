@@ -1,0 +1,399 @@
+"""Registers MoEBlaze with Megatron-Core: ``--moe-token-dispatcher-type moeblaze``.
+
+``install()`` makes every ``MoELayer`` whose config says ``moe_token_dispatcher_type='moeblaze'``
+use ``MoEBlazeTokenDispatcher`` and ``MoEBlazeGroupedMLP``, whatever spec builder made the layer
+(``get_gpt_layer_local_spec``, ``get_gpt_decoder_block_spec``, the Transformer Engine spec);
+layers of any other dispatcher type are built by Megatron untouched.
+
+Plugin options live in a ``MoEBlazeConfig`` attached to the ``TransformerConfig`` as its
+``moeblaze`` attribute (``set_moeblaze_config``); a config without one uses the defaults. From the
+command line, ``moeblaze_extra_args_provider()`` adds the ``--moeblaze-*`` flags and
+``transformer_config_from_args(args)`` builds the TransformerConfig with the options attached.
+
+Options MoEBlaze does not support are refused when the layer is built (and, through the
+argument parser, before training starts) with a message naming the option and what to do instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+
+from .reference import RECOMPUTE_MODES
+from .routing import ROUTING_METHODS
+
+__all__ = [
+    "MOEBLAZE",
+    "MoEBlazeConfig",
+    "add_moeblaze_args",
+    "check_moeblaze_args",
+    "check_moeblaze_config",
+    "get_moeblaze_config",
+    "install",
+    "is_installed",
+    "moeblaze_config_from_args",
+    "moeblaze_extra_args_provider",
+    "set_moeblaze_config",
+    "transformer_config_from_args",
+    "uninstall",
+]
+
+MOEBLAZE = "moeblaze"
+BACKENDS = ("auto", "triton", "reference")
+
+
+@dataclass(frozen=True)
+class MoEBlazeConfig:
+    """The plugin's own options (the ``--moeblaze-*`` flags).
+
+    recompute: ``"activation"`` keeps the expert pre-activations for backward; ``"fc1"`` keeps only
+        the layer input and recomputes the first expert GEMM in backward (less memory, a third
+        more forward FLOPs in backward).
+    routing_method: how the routing plan is built (``moe_mlp``'s ``build_routing_plan`` methods).
+    backend: the expert MLP implementation: ``"auto"`` (fused Triton kernels on CUDA, the PyTorch
+        reference elsewhere), ``"triton"`` or ``"reference"``.
+    """
+
+    recompute: str = "activation"
+    routing_method: str = "auto"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        for name, allowed in (
+            ("recompute", RECOMPUTE_MODES),
+            ("routing_method", ROUTING_METHODS),
+            ("backend", BACKENDS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"MoEBlazeConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+
+def get_moeblaze_config(config) -> MoEBlazeConfig:
+    """The MoEBlazeConfig attached to a TransformerConfig, or the defaults."""
+    options = getattr(config, "moeblaze", None)
+    if options is None:
+        return MoEBlazeConfig()
+    if not isinstance(options, MoEBlazeConfig):
+        raise TypeError(f"config.moeblaze must be a MoEBlazeConfig, got {type(options).__name__}")
+    return options
+
+
+def set_moeblaze_config(config, options: MoEBlazeConfig):
+    """Attach ``options`` to a TransformerConfig (kept by ``copy.deepcopy``); returns ``config``."""
+    if not isinstance(options, MoEBlazeConfig):
+        raise TypeError(f"options must be a MoEBlazeConfig, got {type(options).__name__}")
+    config.moeblaze = options
+    return config
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_moeblaze_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Accept ``--moe-token-dispatcher-type moeblaze``, add the ``--moeblaze-*`` flags, and check
+    the parsed arguments for options MoEBlaze refuses. Safe to call twice on one parser."""
+    if getattr(parser, "_moeblaze_args_added", False):
+        return parser
+    for action in parser._actions:
+        if action.dest == "moe_token_dispatcher_type" and action.choices is not None:
+            if MOEBLAZE not in action.choices:
+                action.choices = (*action.choices, MOEBLAZE)
+    group = parser.add_argument_group(title="moeblaze")
+    group.add_argument(
+        "--moeblaze-recompute", choices=RECOMPUTE_MODES, default="activation",
+        help="What the MoEBlaze experts keep for backward: 'activation' keeps the expert "
+        "pre-activations; 'fc1' keeps only the layer input and recomputes the first expert GEMM.",
+    )
+    group.add_argument(
+        "--moeblaze-routing-method", choices=ROUTING_METHODS, default="auto",
+        help="How the MoEBlaze routing plan is built: 'three_step' (atomic-free Triton build), "
+        "'sort', 'torch', or 'auto' (picked by device and expert count).",
+    )
+    group.add_argument(
+        "--moeblaze-backend", choices=BACKENDS, default="auto",
+        help="MoEBlaze expert MLP implementation: 'triton' (fused kernels), 'reference' (PyTorch), "
+        "or 'auto' (Triton on CUDA).",
+    )
+    parse_known_args = parser.parse_known_args
+
+    def parse_and_check(args=None, namespace=None):
+        parsed, extras = parse_known_args(args, namespace)
+        if getattr(parsed, "moe_token_dispatcher_type", None) == MOEBLAZE:
+            check_moeblaze_args(parsed)
+        return parsed, extras
+
+    parser.parse_known_args = parse_and_check
+    parser._moeblaze_args_added = True
+    return parser
+
+
+def moeblaze_extra_args_provider(extra_args_provider=None):
+    """An ``extra_args_provider`` for Megatron's ``pretrain``/``parse_args`` that adds the
+    MoEBlaze arguments, then applies ``extra_args_provider`` (the user's own) if given."""
+
+    def provider(parser):
+        parser = add_moeblaze_args(parser)
+        return extra_args_provider(parser) if extra_args_provider is not None else parser
+
+    return provider
+
+
+def moeblaze_config_from_args(args) -> MoEBlazeConfig:
+    """The MoEBlazeConfig given by parsed ``--moeblaze-*`` arguments (defaults where absent)."""
+    defaults = MoEBlazeConfig()
+    return MoEBlazeConfig(
+        recompute=getattr(args, "moeblaze_recompute", defaults.recompute),
+        routing_method=getattr(args, "moeblaze_routing_method", defaults.routing_method),
+        backend=getattr(args, "moeblaze_backend", defaults.backend),
+    )
+
+
+def transformer_config_from_args(args, config_class=None):
+    """Megatron's ``core_transformer_config_from_args`` with the MoEBlaze options attached."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    config = core_transformer_config_from_args(args, config_class)
+    return set_moeblaze_config(config, moeblaze_config_from_args(args))
+
+
+# ----------------------------------------------------------------------------------------------
+# What MoEBlaze refuses
+
+
+def _activation_of_config(config) -> tuple[bool, str]:
+    func = config.activation_func
+    name = {F.silu: "silu", F.gelu: "gelu"}.get(func, getattr(func, "__name__", repr(func)))
+    return bool(config.gated_linear_unit), name
+
+
+def _activation_of_args(args) -> tuple[bool, str]:
+    if getattr(args, "swiglu", False):
+        return True, "silu"
+    if getattr(args, "quick_geglu", False):
+        return True, "quick_gelu"
+    for flag in ("squared_relu", "openai_gelu"):
+        if getattr(args, flag, False):
+            return False, flag
+    return False, "gelu"
+
+
+def _problems(get, gated: bool, activation: str) -> list[str]:
+    """Every unsupported option, each with what to do instead. ``get(name)`` reads a
+    TransformerConfig field (or its command-line equivalent)."""
+    problems = []
+
+    def refuse(condition, message):
+        if condition:
+            problems.append(message)
+
+    refuse(get("fp8"), "fp8 (--fp8-format): MoEBlaze experts compute in bf16/fp16/fp32; drop fp8")
+    refuse(get("fp4"), "fp4 (--fp4-format): MoEBlaze experts compute in bf16/fp16/fp32; drop fp4")
+    refuse(get("use_kitchen"), "use_kitchen (quantized linear layers): not supported by MoEBlaze experts")
+    refuse(
+        get("moe_router_padding_for_quantization"),
+        "moe_router_padding_for_quantization: only meaningful with fp8/fp4; drop it",
+    )
+    etp = get("expert_tensor_parallel_size") or get("tensor_model_parallel_size") or 1
+    refuse(
+        etp > 1,
+        f"expert_tensor_parallel_size={etp}: MoEBlaze experts are not tensor-parallel; set "
+        "--expert-tensor-parallel-size 1 (attention tensor parallelism with --sequence-parallel "
+        "works, and --expert-model-parallel-size spreads the experts)",
+    )
+    refuse(
+        get("moe_pad_expert_input_to_capacity"),
+        "moe_pad_expert_input_to_capacity: MoEBlaze never pads expert inputs; drop "
+        "--moe-pad-expert-input-to-capacity (token dropping with --moe-expert-capacity-factor works)",
+    )
+    refuse(
+        get("moe_shared_expert_overlap"),
+        "moe_shared_expert_overlap: drop --moe-shared-expert-overlap (shared experts work, "
+        "computed before routing)",
+    )
+    refuse(
+        get("overlap_moe_expert_parallel_comm"),
+        "overlap_moe_expert_parallel_comm: the EP communication overlap schedule is not supported; "
+        "drop --overlap-moe-expert-parallel-comm",
+    )
+    refuse(
+        get("overlap_dispatch_backward_with_experts_wgrad") or get("delay_wgrad_compute"),
+        "delayed expert weight gradients (overlap_dispatch_backward_with_experts_wgrad, "
+        "delay_wgrad_compute): MoEBlaze computes weight gradients in backward; drop these options",
+    )
+    refuse(
+        get("moe_latent_size"),
+        "moe_latent_size (latent MoE projections): not supported; drop --moe-latent-size",
+    )
+    refuse(
+        get("moe_apply_probs_on_input"),
+        "moe_apply_probs_on_input: MoEBlaze applies router probabilities to the expert outputs; "
+        "drop --moe-apply-probs-on-input",
+    )
+    refuse(
+        get("moe_permute_fusion"),
+        "moe_permute_fusion: MoEBlaze never permutes tokens; drop --moe-permute-fusion",
+    )
+    refuse(
+        get("moe_mlp_glu_interleave_size"),
+        "moe_mlp_glu_interleave_size: MoEBlaze expects Megatron's [gate | up] fc1 layout; drop it",
+    )
+    refuse(
+        get("add_bias_linear"),
+        "add_bias_linear=True: MoEBlaze experts have no bias; set add_bias_linear=False "
+        "(--disable-bias-linear)",
+    )
+    if gated:
+        refuse(
+            activation != "silu",
+            f"gated activation with {activation}: MoEBlaze supports SwiGLU (--swiglu), SiLU and "
+            "GeLU experts",
+        )
+    else:
+        refuse(
+            activation not in ("silu", "gelu"),
+            f"activation {activation}: MoEBlaze supports SwiGLU (--swiglu), SiLU and GeLU experts",
+        )
+    refuse(
+        get("activation_func_clamp_value") is not None,
+        "activation_func_clamp_value: not supported by MoEBlaze experts; drop it",
+    )
+    refuse(bool(get("glu_linear_offset")), "glu_linear_offset != 0: not supported by MoEBlaze experts")
+    refuse(
+        get("transformer_impl") == "inference_optimized",
+        "transformer_impl='inference_optimized': use 'local' or 'transformer_engine'",
+    )
+    impl = get("cuda_graph_impl") or "none"
+    modules = get("cuda_graph_modules")
+    modules = [] if modules in (None, "full") else (modules if isinstance(modules, (list, tuple)) else [modules])
+    names = {getattr(m, "name", str(m)) for m in modules}
+    refuse(
+        impl == "full_iteration" or (impl != "none" and (not names or names & {"moe", "moe_preprocess"})),
+        f"CUDA graphs over the MoE dispatch (cuda_graph_impl={impl!r}, cuda_graph_modules="
+        f"{sorted(names) or 'whole layer'}): MoEBlaze's expert-parallel exchange has data-dependent "
+        "sizes; capture only attn and moe_router, or disable CUDA graphs",
+    )
+    offloaded = set(get("offload_modules") or ()) if get("fine_grained_activation_offloading") else set()
+    refuse(
+        bool(offloaded & {"expert_fc1", "moe_act", "fused_group_mlp"}),
+        f"fine-grained offloading of {sorted(offloaded & {'expert_fc1', 'moe_act', 'fused_group_mlp'})}: "
+        "MoEBlaze experts keep no such buffers; drop them from --offload-modules",
+    )
+    return problems
+
+
+def _raise_if_problems(problems: list[str]) -> None:
+    if problems:
+        lines = "\n  - ".join(problems)
+        raise ValueError(f"moe_token_dispatcher_type='moeblaze' does not support:\n  - {lines}")
+
+
+def check_moeblaze_config(config) -> None:
+    """Raise ValueError naming every option of ``config`` (a TransformerConfig) MoEBlaze refuses."""
+    gated, activation = _activation_of_config(config)
+    _raise_if_problems(_problems(lambda name: getattr(config, name, None), gated, activation))
+    get_moeblaze_config(config)
+
+
+def check_moeblaze_args(args) -> None:
+    """Raise ValueError naming every parsed Megatron argument MoEBlaze refuses."""
+    gated, activation = _activation_of_args(args)
+    _raise_if_problems(_problems(lambda name: getattr(args, name, None), gated, activation))
+
+
+# ----------------------------------------------------------------------------------------------
+# Installation
+
+_original_moe_layer_init = None
+
+
+def is_installed() -> bool:
+    return _original_moe_layer_init is not None
+
+
+def install() -> None:
+    """Make ``moe_token_dispatcher_type='moeblaze'`` build MoEBlaze MoE layers. Idempotent."""
+    global _original_moe_layer_init
+    if _original_moe_layer_init is not None:
+        return
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    original = MoELayer.__init__
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        if bound.arguments["config"].moe_token_dispatcher_type != MOEBLAZE:
+            return original(*bound.args, **bound.kwargs)
+        return _init_moeblaze_layer(original, bound)
+
+    MoELayer.__init__ = __init__
+    _original_moe_layer_init = original
+
+
+def uninstall() -> None:
+    """Undo ``install()``: MoELayer goes back to Megatron's own constructor."""
+    global _original_moe_layer_init
+    if _original_moe_layer_init is None:
+        return
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    MoELayer.__init__ = _original_moe_layer_init
+    _original_moe_layer_init = None
+
+
+def _init_moeblaze_layer(original_init, bound: inspect.BoundArguments) -> None:
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from .dispatcher import MoEBlazeTokenDispatcher
+
+    layer = bound.arguments["self"]
+    config = bound.arguments["config"]
+    check_moeblaze_config(config)
+    submodules = bound.arguments["submodules"]
+    if submodules is None:
+        raise ValueError("MoELayer needs submodules (an MoESubmodules from a layer spec)")
+    bound.arguments["submodules"] = dataclasses.replace(
+        submodules, experts=_moeblaze_experts_builder(submodules.experts)
+    )
+    if bound.arguments["pg_collection"] is None:
+        bound.arguments["pg_collection"] = get_default_pg_collection()
+    pg_collection = bound.arguments["pg_collection"]
+    # MoELayer picks its dispatcher with a closed if/elif: let it build the stock allgather one
+    # (construction only stores attributes, no communication) and replace it afterwards.
+    config.moe_token_dispatcher_type = "allgather"
+    try:
+        original_init(*bound.args, **bound.kwargs)
+    finally:
+        config.moe_token_dispatcher_type = MOEBLAZE
+    layer.token_dispatcher = MoEBlazeTokenDispatcher(
+        layer.num_local_experts, layer.local_expert_indices, config=config, pg_collection=pg_collection
+    )
+
+
+def _moeblaze_experts_builder(builder):
+    """MoEBlazeGroupedMLP in place of Megatron's stock experts (SequentialMLP, TEGroupedMLP)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+
+    from .experts import MoEBlazeGroupedMLP
+
+    target = builder
+    while isinstance(target, functools.partial):
+        target = target.func
+    target = getattr(target, "module", target)  # a ModuleSpec
+    if isinstance(target, type) and issubclass(target, MoEBlazeGroupedMLP):
+        return builder
+    if isinstance(target, type) and issubclass(target, (SequentialMLP, TEGroupedMLP)):
+        return MoEBlazeGroupedMLP
+    raise ValueError(
+        f"moe_token_dispatcher_type='moeblaze' runs its own experts (MoEBlazeGroupedMLP), but the "
+        f"layer spec names {target!r}; use a stock spec (SequentialMLP / TEGroupedMLP experts) or "
+        "MoEBlazeGroupedMLP"
+    )

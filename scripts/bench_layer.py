@@ -1,0 +1,553 @@
+"""One MoE layer, forward and forward+backward, routing given: moeblaze against its peers.
+
+Runs on one GPU. For each configuration and activation it first checks every implementation's
+output and gradients against a float64 reference (at a reduced token count, same d/h/E/K), then
+times the full shape with CUDA events (median), and records the bytes saved for backward
+(parameters excluded) and the peak memory above inputs, weights and their gradients.
+
+    python scripts/bench_layer.py --out benchmarks/results            # every config, every peer
+    python scripts/bench_layer.py --configs conf4,qwen3 --acts swiglu --impls moeblaze,grouped_mm
+
+Peers (each skipped with a note when not importable): grouped_mm (torch._grouped_mm pipeline, as
+torchtitan does it), megatron_sequential (Megatron-Core alltoall dispatcher + SequentialMLP),
+megablocks (dMoE, grouped path), liger (Liger-Kernel's fused MoE), scattermoe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from moeblaze_megatron import build_routing_plan, moe_mlp  # noqa: E402
+from moeblaze_megatron.reference import ReferenceMoEMLP  # noqa: E402
+
+# (T, d, h, E, K). conf3 and conf4 are the MoEBlaze paper's published configs (T = batch * seq as
+# DESIGN.md measured them); the paper does not publish conf1's T nor conf2/5/6/7 at all: those are
+# filled from its stated ranges (d in {512,1024,2048}, E in {4,8,16}, k in {1,2,4}, B in {16,32},
+# L in {512,1024,2048}, h = 4d) and labelled "filled".
+CONFIGS = {
+    "conf1": (16 * 512, 512, 2048, 4, 1),
+    "conf2(filled)": (16 * 1024, 512, 2048, 8, 2),
+    "conf3": (16 * 1024, 1024, 4096, 16, 4),
+    "conf4": (32 * 1024, 2048, 8192, 16, 4),
+    "conf5(filled)": (32 * 1024, 1024, 4096, 8, 2),
+    "conf6(filled)": (16 * 2048, 2048, 8192, 8, 2),
+    "conf7(filled)": (32 * 2048, 512, 2048, 16, 4),
+    "qwen3-30b-like": (32768, 2048, 768, 128, 8),
+    "7b-fine-grained": (24576, 1536, 256, 128, 8),
+    "dsv3-like": (8192, 7168, 2048, 256, 8),
+}
+ALIASES = {"conf2": "conf2(filled)", "conf5": "conf5(filled)", "conf6": "conf6(filled)",
+           "conf7": "conf7(filled)", "qwen3": "qwen3-30b-like", "7b": "7b-fine-grained", "dsv3": "dsv3-like"}
+IMPLS = ("moeblaze", "moeblaze_fc1", "grouped_mm", "megatron_sequential", "megablocks", "liger", "scattermoe")
+CHECK_TOKENS = 2048
+# An illegal memory access kills the whole process, so a peer known to crash on a shape is skipped.
+KNOWN_CRASHES = {("dsv3-like", "scattermoe"): "skipped: died with an illegal memory access on this "
+                 "shape when measured for DESIGN.md (2026-11-29); an IMA would end this whole run"}
+
+
+def flops_fwdbwd(T, d, h, K, activation):
+    # fc1 is 2h wide for SwiGLU: 6 GEMM passes of T*K*d*h*2 FLOPs (fwd 2, bwd 4) per projection.
+    return (18 if activation == "swiglu" else 12) * T * K * d * h
+
+
+# ----------------------------------------------------------------------------------------------
+# Implementations: each maps (x, topk_ids, topk_probs) -> y and owns its parameters.
+
+
+class Impl:
+    name = ""
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        self.activation = activation
+        self.E, self.K = num_experts, topk
+
+    def params(self):
+        raise NotImplementedError
+
+    def __call__(self, x, ids, probs):
+        raise NotImplementedError
+
+
+class MoEBlaze(Impl):
+    name = "moeblaze"
+    recompute = "activation"
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        super().__init__(fc1, fc2, activation, num_experts, topk)
+        self.fc1 = fc1.detach().clone().requires_grad_()
+        self.fc2 = fc2.detach().clone().requires_grad_()
+
+    def params(self):
+        return [self.fc1, self.fc2]
+
+    def __call__(self, x, ids, probs):
+        return moe_mlp(x, ids, probs, self.fc1, self.fc2, self.activation, recompute=self.recompute)
+
+
+class MoEBlazeFc1(MoEBlaze):
+    name = "moeblaze_fc1"
+    recompute = "fc1"
+
+
+class GroupedMM(Impl):
+    """Sort, gather, grouped_mm, activation, grouped_mm, weighted index_add (torchtitan's recipe)."""
+
+    name = "grouped_mm"
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        super().__init__(fc1, fc2, activation, num_experts, topk)
+        if not hasattr(torch, "_grouped_mm"):
+            raise RuntimeError("torch._grouped_mm is not available in this torch")
+        self.w1 = fc1.detach().transpose(1, 2).contiguous().requires_grad_()  # [E, d, 2h]
+        self.w2 = fc2.detach().transpose(1, 2).contiguous().requires_grad_()  # [E, h, d]
+
+    def params(self):
+        return [self.w1, self.w2]
+
+    def __call__(self, x, ids, probs):
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.K
+        offs = torch.bincount(flat, minlength=self.E).cumsum(0).to(torch.int32)
+        xs = x[tokens]
+        a = torch._grouped_mm(xs, self.w1, offs=offs)
+        if self.activation == "swiglu":
+            gate, up = a.chunk(2, dim=-1)
+            a = F.silu(gate) * up
+        else:
+            a = F.silu(a) if self.activation == "silu" else F.gelu(a)
+        o = torch._grouped_mm(a, self.w2, offs=offs)
+        o = o * probs.reshape(-1)[order, None].to(o.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, o)
+
+
+class MegatronSequential(Impl):
+    """Megatron-Core's MoELayer stages (alltoall dispatcher + SequentialMLP), routing given."""
+
+    name = "megatron_sequential"
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        super().__init__(fc1, fc2, activation, num_experts, topk)
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.spec_utils import build_module
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        if not torch.distributed.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29533")
+            torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel()
+        E, h2, d = fc1.shape
+        h = fc2.shape[2]
+        config = TransformerConfig(
+            num_layers=1, hidden_size=d, ffn_hidden_size=h, moe_ffn_hidden_size=h,
+            num_attention_heads=8, num_moe_experts=E, moe_router_topk=topk,
+            moe_token_dispatcher_type="alltoall", gated_linear_unit=activation == "swiglu",
+            activation_func=F.gelu if activation == "gelu" else F.silu, add_bias_linear=False,
+            bf16=fc1.dtype == torch.bfloat16, params_dtype=fc1.dtype, moe_aux_loss_coeff=0.0,
+            use_cpu_initialization=True, perform_initialization=False,
+        )
+        spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False).submodules.mlp
+        self.layer = build_module(spec, config=config).cuda()
+        with torch.no_grad():
+            for e, expert in enumerate(self.layer.experts.local_experts):
+                expert.linear_fc1.weight.copy_(fc1[e])
+                expert.linear_fc2.weight.copy_(fc2[e])
+
+    def params(self):
+        return [p for p in self.layer.experts.parameters()]
+
+    def __call__(self, x, ids, probs):
+        T = x.shape[0]
+        routing_map = torch.zeros(T, self.E, dtype=torch.bool, device=x.device)
+        routing_map.scatter_(1, ids, True)
+        dense_probs = torch.zeros(T, self.E, dtype=probs.dtype, device=x.device).scatter(1, ids, probs)
+        layer = self.layer
+        hidden, p = layer.preprocess(x.view(T, 1, -1), dense_probs, routing_map)
+        hidden, p = layer.dispatch(hidden, p)
+        out, _ = layer.routed_experts_compute(hidden, p)
+        out = layer.combine(out)
+        return layer.postprocess(out, None).view(T, -1)
+
+
+class MegaBlocks(Impl):
+    name = "megablocks"
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        super().__init__(fc1, fc2, activation, num_experts, topk)
+        from megablocks.layers.arguments import Arguments
+        from megablocks.layers.dmoe import ParallelDroplessMLP
+
+        E, h2, d = fc1.shape
+        h = fc2.shape[2]
+        glu = activation == "swiglu"
+        args = Arguments(
+            hidden_size=d, ffn_hidden_size=h, moe_num_experts=E, moe_top_k=topk, bias=False,
+            return_bias=False, mlp_impl="grouped", mlp_type="glu" if glu else "mlp",
+            activation_fn=F.gelu if activation == "gelu" else F.silu, bf16=fc1.dtype == torch.bfloat16,
+            moe_loss_weight=0.0, device=fc1.device,
+        )
+        self.mlp = ParallelDroplessMLP(args)
+        with torch.no_grad():
+            m = self.mlp.mlp
+            m.w1.copy_(fc1[:, :h].reshape(E * h, d))
+            if glu:
+                m.v1.copy_(fc1[:, h:].reshape(E * h, d))
+            m.w2.copy_(fc2.transpose(1, 2).reshape(E * h, d))
+
+    def params(self):
+        return [p for p in self.mlp.parameters()]
+
+    def __call__(self, x, ids, probs):
+        T = x.shape[0]
+        scores = torch.zeros(T, self.E, dtype=probs.dtype, device=x.device)  # only used by its aux loss
+        out = self.mlp(x.view(T, 1, -1), scores, probs.to(x.dtype), ids)
+        return (out[0] if isinstance(out, tuple) else out).view(T, -1)
+
+
+class Liger(Impl):
+    name = "liger"
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        super().__init__(fc1, fc2, activation, num_experts, topk)
+        if activation != "swiglu":
+            raise RuntimeError("Liger-Kernel's fused MoE is SwiGLU only")
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+        self.fn = LigerFusedMoEFunction
+        self.fc1 = fc1.detach().clone().requires_grad_()
+        self.fc2 = fc2.detach().clone().requires_grad_()
+
+    def params(self):
+        return [self.fc1, self.fc2]
+
+    def __call__(self, x, ids, probs):
+        return self.fn.apply(x, self.fc1, self.fc2, ids.to(torch.int32), probs.to(x.dtype))
+
+
+class ScatterMoE(Impl):
+    name = "scattermoe"
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        super().__init__(fc1, fc2, activation, num_experts, topk)
+        import scattermoe.mlp as smlp
+
+        E, h2, d = fc1.shape
+        h = fc2.shape[2]
+        act = torch.nn.GELU() if activation == "gelu" else torch.nn.SiLU()
+        if activation == "swiglu":
+            self.mlp = smlp.GLUMLP(d, h, E, topk, activation=act)
+            # ScatterMoE's GLU is [up | gate].
+            first = torch.cat([fc1[:, h:], fc1[:, :h]], dim=1)
+        else:
+            self.mlp = smlp.MLP(d, h, E, topk, activation=act)
+            first = fc1
+        self.mlp = self.mlp.to(device=fc1.device, dtype=fc1.dtype)
+        with torch.no_grad():
+            self.mlp.experts.weight.copy_(first)
+            self.mlp.output_experts.weight.copy_(fc2)
+
+    def params(self):
+        return [p for p in self.mlp.parameters()]
+
+    def __call__(self, x, ids, probs):
+        return self.mlp(x, probs.to(x.dtype), ids)
+
+
+IMPL_CLASSES = {c.name: c for c in (MoEBlaze, MoEBlazeFc1, GroupedMM, MegatronSequential, MegaBlocks, Liger, ScatterMoE)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs, checks and measurements
+
+
+def make_inputs(T, d, h, E, K, activation, dtype, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, d, device=device, dtype=dtype, generator=g)
+    logits = torch.randn(T, E, device=device, generator=g)
+    top, ids = logits.topk(K, dim=1)
+    probs = torch.softmax(top, dim=1)
+    rows = 2 * h if activation == "swiglu" else h
+    fc1 = (torch.randn(E, rows, d, device=device, generator=g) / math.sqrt(d)).to(dtype)
+    fc2 = (torch.randn(E, d, h, device=device, generator=g) / math.sqrt(h)).to(dtype)
+    return x, ids, probs, fc1, fc2
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def map_grads(impl, grads):
+    """An implementation's parameter gradients, mapped back to [E, 2h|h, d] / [E, d, h]."""
+    p = grads
+    if isinstance(impl, (MoEBlaze, Liger)):
+        return p[0], p[1]
+    if isinstance(impl, GroupedMM):
+        return p[0].transpose(1, 2), p[1].transpose(1, 2)
+    if isinstance(impl, MegatronSequential):
+        experts = impl.layer.experts.local_experts
+        return (torch.stack([e.linear_fc1.weight.grad for e in experts]),
+                torch.stack([e.linear_fc2.weight.grad for e in experts]))
+    if isinstance(impl, MegaBlocks):
+        m = impl.mlp.mlp
+        E = impl.E
+        w1 = m.w1.grad.view(E, -1, m.w1.shape[1])
+        fc1 = torch.cat([w1, m.v1.grad.view(E, -1, m.w1.shape[1])], dim=1) if impl.activation == "swiglu" else w1
+        return fc1, m.w2.grad.view(E, -1, m.w2.shape[1]).transpose(1, 2)
+    if isinstance(impl, ScatterMoE):
+        g1 = impl.mlp.experts.weight.grad
+        if impl.activation == "swiglu":
+            h = g1.shape[1] // 2
+            g1 = torch.cat([g1[:, h:], g1[:, :h]], dim=1)
+        return g1, impl.mlp.output_experts.weight.grad
+    raise TypeError(type(impl))
+
+
+def check_impl(cls, T, d, h, E, K, activation, dtype, device, seed):
+    """Relative errors of y, dx, dprobs, dfc1, dfc2 against a float64 reference."""
+    x, ids, probs, fc1, fc2 = make_inputs(T, d, h, E, K, activation, dtype, device, seed)
+    gy = torch.randn(T, d, device=device, dtype=dtype)
+    ref_in = [t.double().requires_grad_() for t in (x, probs, fc1, fc2)]
+    plan = build_routing_plan(ids, E, method="torch")
+    y_ref = ReferenceMoEMLP.apply(ref_in[0], ref_in[1], ref_in[2], ref_in[3], plan, activation, "activation")
+    y_ref.backward(gy.double())
+    impl = cls(fc1, fc2, activation, E, K)
+    xi = x.clone().requires_grad_()
+    pi = probs.clone().requires_grad_()
+    y = impl(xi, ids, pi)
+    y.backward(gy)
+    g1, g2 = map_grads(impl, [p.grad for p in impl.params()])
+    errs = {
+        "y": rel_err(y, y_ref), "dx": rel_err(xi.grad, ref_in[0].grad),
+        "dprobs": rel_err(pi.grad, ref_in[1].grad) if pi.grad is not None else float("nan"),
+        "dfc1": rel_err(g1, ref_in[2].grad), "dfc2": rel_err(g2, ref_in[3].grad),
+    }
+    return errs
+
+
+def saved_bytes(fn, exclude):
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in excluded and st.device.type == "cuda":
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def cuda_time(fn, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def matmul_peak(device, n=8192, reps=20):
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = cuda_time(lambda: a @ b, 5, reps)
+    return 2 * n**3 / ms / 1e9
+
+
+def measure(cls, T, d, h, E, K, activation, dtype, device, seed, reps):
+    x, ids, probs, fc1, fc2 = make_inputs(T, d, h, E, K, activation, dtype, device, seed)
+    impl = cls(fc1, fc2, activation, E, K)
+    del fc1, fc2
+    params = impl.params()
+    xi = x.clone().requires_grad_()
+    pi = probs.clone().requires_grad_()
+    gy = torch.randn_like(x)
+    t0 = time.perf_counter()
+    impl(xi, ids, pi).backward(gy)  # first call: compilation and autotuning
+    torch.cuda.synchronize()
+    first_call_s = time.perf_counter() - t0
+
+    def fwd():
+        with torch.no_grad():
+            impl(x, ids, probs)
+
+    def fwdbwd():
+        impl(xi, ids, pi).backward(gy)
+
+    ms_fwd = cuda_time(fwd, 2, reps)
+    ms_fwdbwd = cuda_time(fwdbwd, 2, reps)
+    # Gradients now exist and are accumulated in place: the baseline holds inputs, weights and
+    # their gradients.
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    nbytes, y = saved_bytes(lambda: impl(xi, ids, pi), params)
+    y.backward(gy)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del y, impl, params, xi, pi
+    return dict(ms_fwd=ms_fwd, ms_fwdbwd=ms_fwdbwd, saved_bytes=nbytes, peak_bytes=peak,
+                first_call_s=first_call_s)
+
+
+def profile_kernels(cls, T, d, h, E, K, activation, dtype, device):
+    """CUDA ms per kernel name for one forward+backward (after warm-up)."""
+    x, ids, probs, fc1, fc2 = make_inputs(T, d, h, E, K, activation, dtype, device, 3)
+    impl = cls(fc1, fc2, activation, E, K)
+    xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    gy = torch.randn_like(x)
+    impl(xi, ids, pi).backward(gy)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        impl(xi, ids, pi).backward(gy)
+        torch.cuda.synchronize()
+    totals = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            totals[ev.name[:40]] = totals.get(ev.name[:40], 0.0) + ev.device_time / 1e3
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:12])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list (aliases: conf2, qwen3, 7b, dsv3, ...)")
+    parser.add_argument("--acts", default="swiglu,silu", help="comma list of swiglu, silu, gelu")
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
+    parser.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement (median)")
+    parser.add_argument("--check-tokens", type=int, default=CHECK_TOKENS)
+    parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    parser.add_argument("--tag", default="bench_layer")
+    parser.add_argument("--profile", action="store_true", help="print moeblaze's per-kernel CUDA time")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_layer.py needs a CUDA GPU")
+    device = torch.device("cuda")
+    dtype = torch.bfloat16
+    configs = [ALIASES.get(c, c) for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        sys.exit(f"unknown --configs {unknown}; known: {list(CONFIGS)}")
+    impls = args.impls.split(",")
+    acts = args.acts.split(",")
+    os.makedirs(args.out, exist_ok=True)
+    import triton
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command="python " + " ".join(sys.argv))
+    peak = matmul_peak(device)
+    meta["matmul_peak_tflops"] = peak
+    print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  dense bf16 matmul {peak:.0f} TFLOP/s", flush=True)
+    records, notes = [], []
+    available = {}
+    for name in impls:
+        try:
+            E0 = 4
+            IMPL_CLASSES[name](*make_inputs(8, 64, 64, E0, 2, "swiglu", dtype, device, 0)[3:], "swiglu", E0, 2)
+            available[name] = IMPL_CLASSES[name]
+        except Exception as exc:  # a peer that is not importable is reported, not fatal
+            notes.append(f"{name}: not run ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+            print(notes[-1], flush=True)
+    for cfg in configs:
+        T, d, h, E, K = CONFIGS[cfg]
+        for act in acts:
+            for name, cls in available.items():
+                rec = dict(meta, config=cfg, T=T, d=d, h=h, E=E, K=K, activation=act, impl=name)
+                try:
+                    if (cfg, name) in KNOWN_CRASHES:
+                        raise RuntimeError(KNOWN_CRASHES[cfg, name])
+                    if not args.no_check:
+                        # float64 reference at reduced T and E (same d, h, K): dsv3-like's full
+                        # float64 weights alone would take 90 GB.
+                        e_chk = min(E, 32)
+                        errs = check_impl(cls, min(T, args.check_tokens), d, h, e_chk, min(K, e_chk), act, dtype, device, 1)
+                        rec["check"] = errs
+                        worst = max(v for v in errs.values() if not math.isnan(v))
+                        rec["check_ok"] = worst < 3e-2
+                    rec.update(measure(cls, T, d, h, E, K, act, dtype, device, 2, args.reps))
+                    rec["tflops"] = flops_fwdbwd(T, d, h, K, act) / rec["ms_fwdbwd"] / 1e9
+                    rec["pct_of_matmul"] = 100 * rec["tflops"] / peak
+                    rec["floor_bytes"] = 2 * T * d + (4 if act == "swiglu" else 2) * T * K * h
+                except Exception as exc:
+                    msg = str(exc).splitlines()[0][:200] if str(exc) else ""
+                    rec["error"] = f"{type(exc).__name__}: {msg}"
+                    if "out of memory" in msg.lower():
+                        rec["error"] = "OOM"
+                records.append(rec)
+                torch.cuda.empty_cache()
+                if args.profile and name.startswith("moeblaze") and "error" not in rec:
+                    rec["kernels"] = profile_kernels(cls, T, d, h, E, K, act, dtype, device)
+                    print("   " + "  ".join(f"{k}={v:.2f}" for k, v in rec["kernels"].items()), flush=True)
+                status = rec.get("error") or (
+                    f"fwd {rec['ms_fwd']:.2f} ms  fwd+bwd {rec['ms_fwdbwd']:.2f} ms  {rec['tflops']:.0f} TF/s "
+                    f"saved {rec['saved_bytes'] / 2**20:.0f} MiB peak {rec['peak_bytes'] / 2**20:.0f} MiB "
+                    f"first {rec['first_call_s']:.1f}s check {'ok' if rec.get('check_ok', True) else 'FAIL ' + str(rec['check'])}")
+                print(f"{cfg:16s} {act:6s} {name:20s} {status}", flush=True)
+    path = os.path.join(args.out, f"{args.tag}.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, notes=notes, records=records), f, indent=1)
+    table = markdown_table(meta, notes, records)
+    with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
+        f.write(table)
+    print(table)
+
+
+def markdown_table(meta, notes, records):
+    lines = [
+        f"# bench_layer: one MoE layer, forward+backward, routing given",
+        "",
+        f"{meta['date']} on {meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}; "
+        f"dense bf16 matmul in the same run: {meta['matmul_peak_tflops']:.0f} TFLOP/s.",
+        f"Command: `{meta['command']}`",
+        "",
+        "| config | act | impl | fwd ms | fwd+bwd ms | TFLOP/s | % matmul | vs best peer | saved MiB | floor MiB | peak MiB | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    groups = {}
+    for r in records:
+        groups.setdefault((r["config"], r["activation"]), []).append(r)
+    for (cfg, act), recs in groups.items():
+        ok = [r for r in recs if "error" not in r]
+        peers = [r["ms_fwdbwd"] for r in ok if not r["impl"].startswith("moeblaze")]
+        best_peer = min(peers) if peers else None
+        for r in recs:
+            if "error" in r:
+                lines.append(f"| {cfg} | {act} | {r['impl']} | - | - | - | - | - | - | - | - | {r['error']} |")
+                continue
+            speed = f"{best_peer / r['ms_fwdbwd']:.2f}x" if best_peer else "-"
+            check = "ok" if r.get("check_ok", True) else "FAIL"
+            lines.append(
+                f"| {cfg} | {act} | {r['impl']} | {r['ms_fwd']:.2f} | {r['ms_fwdbwd']:.2f} | {r['tflops']:.0f} | "
+                f"{r['pct_of_matmul']:.0f}% | {speed} | {r['saved_bytes'] / 2**20:.0f} | {r['floor_bytes'] / 2**20:.0f} | "
+                f"{r['peak_bytes'] / 2**20:.0f} | {check} |")
+    if notes:
+        lines += ["", "Not run:"] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
