@@ -141,13 +141,13 @@ class MegatronSequential(Impl):
         super().__init__(fc1, fc2, activation, num_experts, topk)
         from megatron.core import parallel_state
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer.spec_utils import build_module
+        from megatron.core.transformer.spec_utils import ModuleSpec, build_module
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         if not torch.distributed.is_initialized():
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29533")
-            torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+            torch.distributed.init_process_group("nccl" if fc1.is_cuda else "gloo", rank=0, world_size=1)
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel()
         E, h2, d = fc1.shape
@@ -161,7 +161,9 @@ class MegatronSequential(Impl):
             use_cpu_initialization=True, perform_initialization=False,
         )
         spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False).submodules.mlp
-        self.layer = build_module(spec, config=config).cuda()
+        # megatron-core 0.19 writes submodule specs as functools.partial, older ones as ModuleSpec.
+        layer = build_module(spec, config=config) if isinstance(spec, ModuleSpec) else spec(config=config)
+        self.layer = layer.to(fc1.device)
         with torch.no_grad():
             for e, expert in enumerate(self.layer.experts.local_experts):
                 expert.linear_fc1.weight.copy_(fc1[e])
@@ -459,6 +461,7 @@ def main(argv=None):
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command="python " + " ".join(sys.argv))
+    started = time.perf_counter()
     peak = matmul_peak(device)
     meta["matmul_peak_tflops"] = peak
     print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  dense bf16 matmul {peak:.0f} TFLOP/s", flush=True)
@@ -506,7 +509,7 @@ def main(argv=None):
                     f"fwd {rec['ms_fwd']:.2f} ms  fwd+bwd {rec['ms_fwdbwd']:.2f} ms  {rec['tflops']:.0f} TF/s "
                     f"saved {rec['saved_bytes'] / 2**20:.0f} MiB peak {rec['peak_bytes'] / 2**20:.0f} MiB "
                     f"first {rec['first_call_s']:.1f}s check {'ok' if rec.get('check_ok', True) else 'FAIL ' + str(rec['check'])}")
-                print(f"{cfg:16s} {act:6s} {name:20s} {status}", flush=True)
+                print(f"[{time.perf_counter() - started:5.0f}s] {cfg:16s} {act:6s} {name:20s} {status}", flush=True)
     path = os.path.join(args.out, f"{args.tag}.json")
     with open(path, "w") as f:
         json.dump(dict(meta=meta, notes=notes, records=records), f, indent=1)

@@ -88,7 +88,9 @@ def _row_gemm_configs():
 
 def _prune_row_gemm(configs, named_args, **kwargs):
     # The gated activation keeps two accumulators: cap their combined width at 256 columns.
-    glu = named_args["ACT"] == ACT_SWIGLU and named_args["EPILOGUE"] != EPI_STORE
+    # (Triton passes the constexprs in kwargs, the other arguments in named_args.)
+    args = {**named_args, **kwargs}
+    glu = args["ACT"] == ACT_SWIGLU and args["EPILOGUE"] != EPI_STORE
     keep = [c for c in configs if not (glu and c.kwargs["BLOCK_N"] > 128)]
     return keep or configs[:1]
 
