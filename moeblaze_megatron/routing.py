@@ -28,9 +28,10 @@ __all__ = ["RoutingPlan", "build_routing_plan", "check_topk_ids", "ROUTING_METHO
 
 ROUTING_METHODS = ("auto", "three_step", "sort", "torch")
 
-# The three-step build keeps a dense (E, T) int8 map; past this many experts (measured on the H200
-# by scripts/bench_routing.py) the narrow-key sort is faster, and its memory stays O(T*K).
-THREE_STEP_MAX_EXPERTS = 128
+# The three-step build keeps a dense (E, T) int8 map; past this many experts the narrow-key sort is
+# faster (H200, scripts/bench_routing.py, 2026-11-29: at E=128 and T=1M the sort took 0.39-0.70 ms
+# against 0.83-1.28 ms), and its memory stays O(T*K).
+THREE_STEP_MAX_EXPERTS = 64
 _INDEX_LIMIT = 2**31 - 1
 
 

@@ -26,6 +26,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+# Liger's fused MoE autotunes over many configs on every new shape, which would dominate this
+# run; DESIGN.md measured it with autotuning off too.
+os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from moeblaze_megatron import build_routing_plan, moe_mlp  # noqa: E402
@@ -396,20 +399,27 @@ def measure(cls, T, d, h, E, K, activation, dtype, device, seed, reps):
         with torch.no_grad():
             impl(x, ids, probs)
 
+    leaves = params + [xi, pi]
+
     def fwdbwd():
+        # As optimizer.zero_grad(set_to_none=True) does: no gradient accumulation is timed.
+        for t in leaves:
+            t.grad = None
         impl(xi, ids, pi).backward(gy)
 
     ms_fwd = cuda_time(fwd, 2, reps)
     ms_fwdbwd = cuda_time(fwdbwd, 2, reps)
-    # Gradients now exist and are accumulated in place: the baseline holds inputs, weights and
-    # their gradients.
+    # Peak above inputs, weights and their gradients: the gradients' own bytes are taken out.
+    for t in leaves:
+        t.grad = None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     nbytes, y = saved_bytes(lambda: impl(xi, ids, pi), params)
     y.backward(gy)
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    grad_bytes = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
+    peak = torch.cuda.max_memory_allocated() - base - grad_bytes
     del y, impl, params, xi, pi
     return dict(ms_fwd=ms_fwd, ms_fwdbwd=ms_fwdbwd, saved_bytes=nbytes, peak_bytes=peak,
                 first_call_s=first_call_s)
