@@ -10,6 +10,7 @@ from .reference import ACTIVATIONS, RECOMPUTE_MODES, ReferenceMoEMLP
 from .routing import RoutingPlan, build_routing_plan, check_topk_ids
 
 BACKENDS = ("auto", "triton", "reference")
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def moe_mlp(
@@ -35,8 +36,9 @@ def moe_mlp(
     ``plan``: a RoutingPlan already built for ``topk_ids`` (built here when None).
     ``recompute``: ``"activation"`` saves the pre-activations for backward; ``"fc1"`` saves only
     x, the plan and the probabilities and recomputes the first GEMM in backward.
-    ``backend``: ``"triton"`` (fused kernels; CUDA, or CPU under TRITON_INTERPRET=1),
-    ``"reference"`` (pure PyTorch) or ``"auto"`` (Triton on CUDA, the reference elsewhere).
+    ``backend``: ``"triton"`` (fused kernels for float16, bfloat16 and float32; CUDA, or CPU
+    under TRITON_INTERPRET=1), ``"reference"`` (pure PyTorch, any floating dtype) or ``"auto"``
+    (Triton on CUDA for those dtypes, the reference otherwise).
     """
     num_experts = check_moe_mlp_args(
         x, topk_ids, topk_probs, fc1_weight, fc2_weight, activation, plan, recompute, backend
@@ -45,9 +47,9 @@ def moe_mlp(
         plan = build_routing_plan(topk_ids, num_experts)
     if x.shape[0] == 0:
         # Nothing routed; keep the graph connected so every input still gets a (zero) gradient.
-        return x.new_zeros(x.shape) + 0 * (topk_probs.sum() + fc1_weight.sum() + fc2_weight.sum()).to(x.dtype)
+        return x * 0 + 0 * (topk_probs.sum() + fc1_weight.sum() + fc2_weight.sum()).to(x.dtype)
     if backend == "auto":
-        backend = "triton" if x.is_cuda else "reference"
+        backend = "triton" if x.is_cuda and x.dtype in TRITON_DTYPES else "reference"
     if backend == "triton":
         from .kernels.moe_mlp import TritonMoEMLP
 
@@ -89,6 +91,12 @@ def check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activati
         raise ValueError(
             f"fc2_weight has shape {tuple(fc2_weight.shape)}; expected [{num_experts}, {hidden}, {ffn}]"
         )
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+    devices = {name: t.device for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_probs", topk_probs),
+                                               ("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight))}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {', '.join(f'{k}: {v}' for k, v in devices.items())}")
     check_topk_ids(topk_ids, num_experts, check_values=plan is None)
     if topk_ids.shape[0] != num_tokens:
         raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows; expected one per token of x ({num_tokens})")
@@ -100,10 +108,6 @@ def check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activati
         raise TypeError(
             f"x, fc1_weight and fc2_weight must share a dtype, got {x.dtype}, {fc1_weight.dtype}, {fc2_weight.dtype}"
         )
-    devices = {name: t.device for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_probs", topk_probs),
-                                               ("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight))}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"all tensors must be on one device, got {', '.join(f'{k}: {v}' for k, v in devices.items())}")
     if plan is not None:
         if not isinstance(plan, RoutingPlan):
             raise TypeError(f"plan must be a RoutingPlan, got {type(plan).__name__}")
@@ -114,6 +118,11 @@ def check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activati
             )
         if plan.token_index_map.device != x.device:
             raise ValueError(f"plan is on {plan.token_index_map.device}; expected x's device {x.device}")
+    if backend == "triton" and x.dtype not in TRITON_DTYPES:
+        raise ValueError(
+            f"backend='triton' takes float16, bfloat16 or float32 tensors, got x of {x.dtype}; "
+            f"use backend='reference' (what 'auto' picks for {x.dtype})"
+        )
     if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     return num_experts

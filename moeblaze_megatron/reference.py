@@ -58,7 +58,8 @@ def combine_rows(rows: torch.Tensor, token_index_map: torch.Tensor, probs=None, 
     for k in range(topk):
         pos = token_index_map[:, k].long()
         used = (pos >= 0)[:, None]
-        part = rows[pos.clamp(min=0)].to(acc) * used
+        # where, not a multiply: an unused slot must not pick up a non-finite row 0.
+        part = torch.where(used, rows[pos.clamp(min=0)].to(acc), 0)
         out += part if probs is None else part * probs[:, k, None].to(acc)
     return out.to(out_dtype or rows.dtype)
 

@@ -75,7 +75,7 @@ class RoutingPlan:
         slots get 0."""
         pos = self.token_index_map.long()
         used = (pos >= 0).view(*pos.shape, *([1] * (rows.dim() - 1)))
-        return rows[pos.clamp(min=0)] * used
+        return torch.where(used, rows[pos.clamp(min=0)], 0)
 
     def to(self, device) -> "RoutingPlan":
         return RoutingPlan(*(t.to(device) for t in self._tensors()))

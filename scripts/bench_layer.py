@@ -32,6 +32,7 @@ os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from moeblaze_megatron import build_routing_plan, moe_mlp  # noqa: E402
+from moeblaze_megatron.audit import saved_bytes_for_backward  # noqa: E402
 from moeblaze_megatron.reference import ReferenceMoEMLP  # noqa: E402
 
 # (T, d, h, E, K). conf3 and conf4 are the MoEBlaze paper's published configs (T = batch * seq as
@@ -344,21 +345,6 @@ def check_impl(cls, T, d, h, E, K, activation, dtype, device, seed):
     return errs
 
 
-def saved_bytes(fn, exclude):
-    excluded = {t.untyped_storage().data_ptr() for t in exclude}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in excluded and st.device.type == "cuda":
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
-
-
 def cuda_time(fn, warmup, reps):
     for _ in range(warmup):
         fn()
@@ -415,7 +401,7 @@ def measure(cls, T, d, h, E, K, activation, dtype, device, seed, reps):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    nbytes, y = saved_bytes(lambda: impl(xi, ids, pi), params)
+    y, nbytes = saved_bytes_for_backward(lambda: impl(xi, ids, pi), params)
     y.backward(gy)
     torch.cuda.synchronize()
     grad_bytes = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
@@ -443,6 +429,24 @@ def profile_kernels(cls, T, d, h, E, K, activation, dtype, device):
     return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:12])
 
 
+def tensor_core_report():
+    """Which matrix instructions each compiled moeblaze kernel uses (wgmma is Hopper's fast path;
+    mma.sync alone means the kernel runs on the older, slower path)."""
+    from moeblaze_megatron.kernels import expert_gemm
+
+    report = {}
+    for name in ("_row_gemm_kernel", "_weight_grad_kernel"):
+        fn = getattr(expert_gemm, name).fn
+        for cache in getattr(fn, "device_caches", {}).values():
+            kernels = cache[0] if isinstance(cache, tuple) else cache
+            for kernel in kernels.values():
+                ptx = kernel.asm.get("ptx", "")
+                kind = "wgmma" if "wgmma" in ptx else ("mma.sync" if "mma.sync" in ptx else "none")
+                key = f"{name}:{kind}"
+                report[key] = report.get(key, 0) + 1
+    return report
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list (aliases: conf2, qwen3, 7b, dsv3, ...)")
@@ -454,7 +458,14 @@ def main(argv=None):
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--tag", default="bench_layer")
     parser.add_argument("--profile", action="store_true", help="print moeblaze's per-kernel CUDA time")
+    parser.add_argument("--report-only", metavar="JSON", help="rewrite the markdown table and the charts of a saved run")
     args = parser.parse_args(argv)
+    if args.report_only:
+        with open(args.report_only) as f:
+            saved = json.load(f)
+        write_report(saved["meta"], saved["notes"], saved["records"], os.path.dirname(args.report_only) or ".",
+                     os.path.splitext(os.path.basename(args.report_only))[0])
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_layer.py needs a CUDA GPU")
     device = torch.device("cuda")
@@ -520,13 +531,64 @@ def main(argv=None):
                     f"saved {rec['saved_bytes'] / 2**20:.0f} MiB peak {rec['peak_bytes'] / 2**20:.0f} MiB "
                     f"first {rec['first_call_s']:.1f}s check {'ok' if rec.get('check_ok', True) else 'FAIL ' + str(rec['check'])}")
                 print(f"[{time.perf_counter() - started:5.0f}s] {cfg:16s} {act:6s} {name:20s} {status}", flush=True)
-    path = os.path.join(args.out, f"{args.tag}.json")
-    with open(path, "w") as f:
+    if args.profile:
+        try:
+            meta["tensor_core_report"] = tensor_core_report()
+        except Exception as exc:  # introspection of Triton internals is best effort
+            meta["tensor_core_report"] = f"unavailable: {exc}"
+        print("compiled moeblaze kernels by matrix instruction:", meta["tensor_core_report"], flush=True)
+    with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
         json.dump(dict(meta=meta, notes=notes, records=records), f, indent=1)
+    write_report(meta, notes, records, args.out, args.tag)
+
+
+def write_report(meta, notes, records, out, tag):
     table = markdown_table(meta, notes, records)
-    with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
+    with open(os.path.join(out, f"{tag}.md"), "w") as f:
         f.write(table)
+    try:
+        plot(records, os.path.join(out, f"{tag}.png"))
+    except ImportError:
+        print("matplotlib is not installed: no chart", flush=True)
     print(table)
+
+
+def plot(records, path):
+    """Speedup over the best peer and bytes saved for backward, per config, as the paper's figures."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if "error" not in r]
+    acts = sorted({r["activation"] for r in ok})
+    fig, axes = plt.subplots(2, len(acts), figsize=(7 * len(acts), 8), squeeze=False)
+    for col, act in enumerate(acts):
+        recs = [r for r in ok if r["activation"] == act]
+        configs = list(dict.fromkeys(r["config"] for r in recs))
+        impls = list(dict.fromkeys(r["impl"] for r in recs))
+        width = 0.8 / len(impls)
+        for i, impl in enumerate(impls):
+            speed, mem = [], []
+            for cfg in configs:
+                group = [r for r in recs if r["config"] == cfg]
+                mine = next((r for r in group if r["impl"] == impl), None)
+                base = next((r for r in group if r["impl"] == "grouped_mm"), None)
+                speed.append(base["ms_fwdbwd"] / mine["ms_fwdbwd"] if mine and base else 0)
+                mem.append(mine["saved_bytes"] / 2**30 if mine else 0)
+            xs = [c + (i - len(impls) / 2 + 0.5) * width for c in range(len(configs))]
+            axes[0, col].bar(xs, speed, width, label=impl)
+            axes[1, col].bar(xs, mem, width, label=impl)
+        for row, ylabel in enumerate(("speedup over grouped_mm (fwd+bwd)", "saved for backward (GiB)")):
+            ax = axes[row, col]
+            ax.set_xticks(range(len(configs)))
+            ax.set_xticklabels(configs, rotation=30, ha="right", fontsize=8)
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{act}")
+        axes[0, col].axhline(1.0, color="gray", lw=0.8)
+        axes[0, col].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def markdown_table(meta, notes, records):

@@ -20,11 +20,13 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from moeblaze_megatron.audit import saved_bytes_for_backward  # noqa: E402,F401  (re-exported for tests)
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # Backends the moe_mlp tests run on. The fused Triton kernels join this list when they land; the
 # tolerances below depend on the dtype only, so every backend is held to the same bar.
-MOE_MLP_BACKENDS = ["reference"]
+MOE_MLP_BACKENDS = ["reference", "triton"]
 
 # Relative error ||got - want|| / ||want|| allowed against the float64 oracle.
 # float32: unit roundoff u = 6e-8; a sum of n products carries an error growing like sqrt(n) * u
@@ -50,12 +52,13 @@ def three_step_available(device: torch.device) -> bool:
     return device.type == "cuda" or TRITON_INTERPRETED
 
 
-def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """||got - want|| / ||want|| in float64 (0 when both are zero; inf when only want is)."""
+def rel_error(got: torch.Tensor, want: torch.Tensor, scale: float | None = None) -> float:
+    """||got - want|| / scale (default ||want||) in float64; 0 when both are zero, inf when only
+    the scale is."""
     got, want = got.detach().double().cpu(), want.detach().double().cpu()
     assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
     diff = (got - want).norm().item()
-    scale = want.norm().item()
+    scale = want.norm().item() if scale is None else scale
     if scale == 0:
         return 0.0 if diff == 0 else float("inf")
     return diff / scale
@@ -225,7 +228,9 @@ def assert_plans_identical(got, want, label: str = "") -> None:
     """Bitwise equality of every field, dtype and shape included (RoutingPlan.__eq__ ignores dtype)."""
     for name in PLAN_FIELDS:
         a, b = getattr(got, name), getattr(want, name)
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{label} {name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{label} {name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        )
         assert torch.equal(a.cpu(), b.cpu()), f"{label} {name} differs"
 
 
@@ -295,38 +300,33 @@ GRAD_INPUTS = ("x", "topk_probs", "fc1_weight", "fc2_weight")
 
 
 def dense_reference_and_grads(problem: dict, activation: str, grad_y: torch.Tensor):
-    """Oracle output and gradients (float64) for ``problem`` with upstream gradient ``grad_y``."""
+    """Oracle output and gradients (float64) for ``problem`` with upstream gradient ``grad_y``,
+    and the scale each gradient's error is measured against.
+
+    The scale is the gradient's norm, except for topk_probs: its gradient at slot (t, k) is one
+    dot product <grad_y[t], out[t, k]> (out: the expert's unweighted output), whose rounding error
+    grows with ||grad_y[t]|| * ||out[t, k]|| while cancellation can make the product itself
+    arbitrarily small; with few tokens there are too few slots for the norm to average that out.
+    """
     leaves = {n: problem[n].detach().double().requires_grad_() for n in GRAD_INPUTS}
+    ids = problem["topk_ids"]
     y = dense_moe_reference(
-        leaves["x"], problem["topk_ids"], leaves["topk_probs"], leaves["fc1_weight"], leaves["fc2_weight"], activation
+        leaves["x"], ids, leaves["topk_probs"], leaves["fc1_weight"], leaves["fc2_weight"], activation
     )
     y.backward(grad_y.double())
-    return y.detach(), {n: leaves[n].grad for n in GRAD_INPUTS}
+    grads = {n: leaves[n].grad for n in GRAD_INPUTS}
+    scales = {n: grads[n].norm().item() for n in GRAD_INPUTS}
+    with torch.no_grad():
+        out_norm = torch.zeros(ids.shape, dtype=torch.float64, device=ids.device)
+        for e in range(leaves["fc1_weight"].shape[0]):
+            out = _activation64(leaves["x"] @ leaves["fc1_weight"][e].t(), activation) @ leaves["fc2_weight"][e].t()
+            out_norm = torch.where(ids == e, out.norm(dim=1)[:, None], out_norm)
+        scales["topk_probs"] = (grad_y.double().norm(dim=1)[:, None] * out_norm).norm().item()
+    return y.detach(), grads, scales
 
 
 # ---------------------------------------------------------------------------------------------
 # Memory audit
-
-
-def saved_bytes_for_backward(fn, parameters):
-    """Run ``fn()`` and return (its result, bytes autograd saved for backward meanwhile).
-
-    Tensors whose storage is one of ``parameters`` (the weights, which exist anyway) are not
-    counted; every other storage is counted once, whole, however many views of it are saved:
-    that is the memory kept alive until backward.
-    """
-    excluded = {p.untyped_storage().data_ptr() for p in parameters}
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        result = fn()
-    return result, sum(saved.values())
 
 
 @pytest.fixture

@@ -128,7 +128,9 @@ ERROR_CASES = [
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("make_ids,num_experts,error,pattern", [c[1:] for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES])
+@pytest.mark.parametrize(
+    "make_ids,num_experts,error,pattern", [c[1:] for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES]
+)
 def test_bad_input_names_the_argument(method, make_ids, num_experts, error, pattern, generator):
     topk_ids = make_ids(make_topk_ids("random", 10, 8, 3, generator))
     if isinstance(topk_ids, torch.Tensor):

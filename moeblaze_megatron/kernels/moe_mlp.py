@@ -35,20 +35,19 @@ class TritonMoEMLP(torch.autograd.Function):
         y = combine(expert_out, plan.token_index_map, topk_probs, x.dtype)
         ctx.save_for_backward(x, topk_probs, fc1_weight, fc2_weight, pre, *plan._tensors())
         ctx.activation = activation
-        ctx.backward_done = False
+        ctx.pre_overwritten = False
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         from ..routing import RoutingPlan
 
-        if ctx.backward_done:
-            raise RuntimeError(
-                "moe_mlp's backward overwrites its saved pre-activations and can run once per "
-                "forward; retain_graph=True with a second backward is not supported"
-            )
-        ctx.backward_done = True
         x, topk_probs, fc1_weight, fc2_weight, pre, *plan_tensors = ctx.saved_tensors
+        if ctx.pre_overwritten:
+            # A second backward through the same graph (retain_graph=True, gradcheck): the first
+            # one turned the saved pre-activations into their gradient, so recompute them.
+            pre = None
+        ctx.pre_overwritten = True
         plan = RoutingPlan(*plan_tensors)
         activation = ctx.activation
         grad_y = grad_y.contiguous()

@@ -1,0 +1,27 @@
+"""Bytes an operation saves for backward: the activation-memory audit shared by the tests, the
+demo and the benchmarks."""
+
+from __future__ import annotations
+
+import torch
+
+
+def saved_bytes_for_backward(fn, parameters=()):
+    """Run ``fn()`` and return (its result, bytes autograd saved for backward meanwhile).
+
+    Tensors whose storage is one of ``parameters`` (the weights, which exist anyway) are not
+    counted; every other storage is counted once, whole, however many views of it are saved:
+    that is the memory kept alive until backward.
+    """
+    excluded = {p.untyped_storage().data_ptr() for p in parameters}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = fn()
+    return result, sum(saved.values())

@@ -1,0 +1,329 @@
+"""Time building the routing plan against the index computations of stock MoE stacks.
+
+For every shape (T tokens, E experts, top-k K; random distinct top-k ids) it times:
+
+* ``three_step``, ``sort``, ``auto``: ``build_routing_plan(..., method=..., validate=False)``;
+* ``auto_validated``: ``method="auto", validate=True`` (adds the id checks and one host sync);
+* ``argsort``: torchtitan's recipe: a stable argsort of the flattened int64 ids, tokens per expert
+  and their prefix sum, and the inverse permutation (the plan's token_index_map);
+* ``megatron``: the index part of Megatron-Core's ``moe_utils.permute`` (megatron-core 0.19: a
+  stable descending argsort of the transposed [E, T] routing map): megatron.core's own function
+  when it imports (on a [T, 1] token tensor, so the gather it also does is negligible), else a
+  reimplementation of the same steps; the JSON says which;
+* ``masked_select``: the older Megatron index computation (transpose the routing map, then
+  ``masked_select`` the token ids out of it).
+The routing map [T, E] that both Megatron variants start from is made outside the timed region:
+Megatron's router produces it anyway.
+
+Before timing, every method's output is checked against the PyTorch plan on a few shapes.
+
+    python scripts/bench_routing.py                  # the full sweep on the GPU (~3 minutes)
+    python scripts/bench_routing.py --quick          # a few shapes
+    python scripts/bench_routing.py --device cpu --quick   # tiny shapes, Triton interpreted
+
+Writes JSON to --out (default $OUT/bench_routing.json, else benchmarks/results/bench_routing.json)
+and a markdown table beside it (same name, .md), and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+FULL_SWEEP = {
+    "tokens": [4096, 16384, 65536, 262144, 1048576],
+    "experts": [8, 16, 32, 64, 128, 256, 512],
+    "topk": [1, 2, 4, 8],
+}
+QUICK_SWEEP = {"tokens": [4096, 65536, 1048576], "experts": [8, 64, 512], "topk": [1, 8]}
+CPU_SWEEP = {"tokens": [100, 600], "experts": [8, 20], "topk": [1, 2]}
+
+PLAN_METHODS = ["three_step", "sort", "auto", "auto_validated"]
+BASELINES = ["argsort", "megatron", "masked_select"]
+METHODS = PLAN_METHODS + BASELINES
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--quick", action="store_true", help="a few shapes (tiny ones on the CPU)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON output path")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.out is None:
+        out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path("benchmarks/results")
+        args.out = out_dir / "bench_routing.json"
+    if args.device == "cpu" and not args.quick:
+        parser.error("--device cpu runs only the tiny --quick sweep (the Triton build is interpreted)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device; use --device cpu --quick for a smoke run")
+    return args
+
+
+def random_topk_ids(num_tokens, num_experts, topk, device, generator):
+    """int64 [T, K]: each row the top-k of uniform scores, i.e. K distinct uniform experts."""
+    scores = torch.rand(num_tokens, num_experts, device=device, generator=generator)
+    return scores.topk(topk, dim=1).indices
+
+
+def routing_map_of(topk_ids, num_experts):
+    """The bool [T, E] map Megatron's router hands to the dispatcher."""
+    routing_map = torch.zeros(topk_ids.shape[0], num_experts, dtype=torch.bool, device=topk_ids.device)
+    return routing_map.scatter_(1, topk_ids, True)
+
+
+def argsort_plan(topk_ids, num_experts):
+    """torchtitan's permutation: (token ids grouped by expert, expert offsets, inverse map).
+
+    Tokens per expert come from a scatter-add rather than bincount, which would synchronize with
+    the host to size its output (torchtitan uses histc for the same reason).
+    """
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return order // topk_ids.shape[1], offsets, inverse
+
+
+def megatron_index_reimplemented(routing_map, num_out_tokens):
+    """Megatron-Core 0.19 ``moe_utils.permute`` (no drop-and-pad, not fused): its index steps."""
+    num_tokens = routing_map.shape[0]
+    expert_major = routing_map.bool().T.contiguous()
+    flat_sorted = expert_major.reshape(-1).argsort(descending=True, stable=True)[:num_out_tokens]
+    return flat_sorted % num_tokens
+
+
+def masked_select_index(routing_map):
+    """The routing-map permute of earlier Megatron-Core releases: token ids by masked_select."""
+    expert_major = routing_map.T.contiguous()
+    num_experts, num_tokens = expert_major.shape
+    token_ids = torch.arange(num_tokens, device=routing_map.device).unsqueeze(0).expand(num_experts, -1)
+    return token_ids.masked_select(expert_major)
+
+
+def megatron_permute():
+    """(callable(routing_map, num_out_tokens) -> token ids, label)."""
+    try:
+        import megatron.core
+        from megatron.core.transformer.moe.moe_utils import permute
+    except Exception as error:  # megatron-core absent or not importable here
+        label = f"reimplementation of megatron.core 0.19 moe_utils.permute ({error.__class__.__name__} on import)"
+        return megatron_index_reimplemented, label
+
+    def run(routing_map, num_out_tokens):
+        tokens = torch.empty(routing_map.shape[0], 1, dtype=torch.bfloat16, device=routing_map.device)
+        return permute(tokens, routing_map, num_out_tokens=num_out_tokens)[2]
+
+    return run, f"megatron.core {megatron.core.__version__} moe_utils.permute on [T, 1] tokens"
+
+
+def make_runners(topk_ids, num_experts, build_routing_plan, megatron_fn):
+    routing_map = routing_map_of(topk_ids, num_experts)
+    num_out = topk_ids.numel()
+    plan_kwargs = {
+        "three_step": dict(method="three_step", validate=False),
+        "sort": dict(method="sort", validate=False),
+        "auto": dict(method="auto", validate=False),
+        "auto_validated": dict(method="auto", validate=True),
+    }
+    runners = {
+        name: (lambda kw=kw: build_routing_plan(topk_ids, num_experts, **kw)) for name, kw in plan_kwargs.items()
+    }
+    runners["argsort"] = lambda: argsort_plan(topk_ids, num_experts)
+    runners["megatron"] = lambda: megatron_fn(routing_map, num_out)
+    runners["masked_select"] = lambda: masked_select_index(routing_map)
+    return runners
+
+
+def check_shape(topk_ids, num_experts, build_routing_plan, megatron_fn):
+    """Every method's output equals what the PyTorch plan says; raises AssertionError if not."""
+    want = build_routing_plan(topk_ids, num_experts, method="torch")
+    fields = ("expert_token_indices", "expert_token_offsets", "token_expert_indices", "token_index_map")
+    runners = make_runners(topk_ids, num_experts, build_routing_plan, megatron_fn)
+    for name in PLAN_METHODS:
+        got = runners[name]()
+        for field in fields:
+            a, b = getattr(got, field), getattr(want, field)
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: {field} differs from the torch plan"
+    token_ids, offsets, inverse = runners["argsort"]()
+    assert torch.equal(token_ids, want.expert_token_indices.long()), "argsort: token order differs"
+    assert torch.equal(offsets, want.expert_token_offsets.long()), "argsort: offsets differ"
+    assert torch.equal(inverse, want.token_index_map.reshape(-1).long()), "argsort: inverse map differs"
+    for name in ("megatron", "masked_select"):
+        assert torch.equal(runners[name]().long(), want.expert_token_indices.long()), f"{name}: token order differs"
+
+
+def time_ms(fn, device, heavy):
+    """(median, 20th, 80th percentile) in milliseconds."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        # do_bench sizes its repetitions to the given time budget (ms); L2 is flushed each run.
+        warmup, rep = (5, 15) if heavy else (10, 30)
+        median, low, high = do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8])
+        return median, low, high
+    fn()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    return statistics.median(times), times[1], times[-2]
+
+
+def shapes(sweep):
+    return [(t, e, k) for t in sweep["tokens"] for e in sweep["experts"] for k in sweep["topk"] if k <= e]
+
+
+def environment(args, megatron_label):
+    import triton
+
+    cpu = f"CPU ({platform.processor() or platform.machine()}), Triton interpreted"
+    return {
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else cpu,
+        "device": args.device,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "megatron": megatron_label,
+        "timer": "Triton do_bench, L2 flushed before each run" if args.device == "cuda"
+        else "wall clock, 5 runs; a smoke test: the Triton build runs in the interpreter",
+    }
+
+
+def summarize(records):
+    """Goal lines: three-step >= 2x argsort where E <= 64; auto never slower than the better path."""
+    small_e = [r for r in records if r["experts"] <= 64]
+    fast = [r for r in small_e if r["speedup_three_step_vs_argsort"] >= 2.0]
+    worst_auto = max(records, key=lambda r: r["auto_vs_best"])
+    slowest = min(small_e, key=lambda r: r["speedup_three_step_vs_argsort"], default=None)
+    lowest = ""
+    if slowest:
+        lowest = (
+            f" (lowest {slowest['speedup_three_step_vs_argsort']:.2f}x at T={slowest['tokens']} "
+            f"E={slowest['experts']} K={slowest['topk']})"
+        )
+    lines = [
+        f"three_step >= 2x faster than argsort where E <= 64: {len(fast)} of {len(small_e)} shapes{lowest}",
+        f"auto vs min(three_step, sort, argsort): worst {worst_auto['auto_vs_best']:.2f}x at "
+        f"T={worst_auto['tokens']} E={worst_auto['experts']} K={worst_auto['topk']} "
+        f"({sum(r['auto_vs_best'] <= 1.05 for r in records)} of {len(records)} shapes within 5%)",
+    ]
+    return lines
+
+
+def markdown(env, records, summary):
+    head = [
+        "# Routing plan build time",
+        "",
+        f"{env['date']} on {env['gpu']}; torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}, "
+        f"Python {env['python']}. Megatron column: {env['megatron']}.",
+        f"Command: `{env['command']}`",
+        "",
+        f"Median ms ({env['timer']}). speedup = argsort / three_step; "
+        "auto/best = auto / min(three_step, sort, argsort). The routing map the Megatron columns "
+        "start from is built outside the timing.",
+        "",
+        *[f"- {line}" for line in summary],
+        "",
+        "| T | E | K | three_step | sort | auto (picks) | auto+validate | argsort | megatron | masked_select "
+        "| speedup | auto/best |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows = []
+    for r in records:
+        ms = r["median_ms"]
+        rows.append(
+            f"| {r['tokens']} | {r['experts']} | {r['topk']} | {ms['three_step']:.3f} | {ms['sort']:.3f} | "
+            f"{ms['auto']:.3f} ({r['auto_picks']}) | {ms['auto_validated']:.3f} | {ms['argsort']:.3f} | "
+            f"{ms['megatron']:.3f} | {ms['masked_select']:.3f} | {r['speedup_three_step_vs_argsort']:.2f}x | "
+            f"{r['auto_vs_best']:.2f} |"
+        )
+    return "\n".join(head + rows) + "\n"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.device == "cpu":
+        # Triton reads this when the kernels are first imported, below.
+        os.environ["TRITON_INTERPRET"] = "1"
+    # Run from a checkout whether or not the package is installed.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from moeblaze_megatron import build_routing_plan
+    from moeblaze_megatron.routing import choose_routing_method
+
+    megatron_fn, megatron_label = megatron_permute()
+    env = environment(args, megatron_label)
+    sweep = CPU_SWEEP if args.device == "cpu" else (QUICK_SWEEP if args.quick else FULL_SWEEP)
+    todo = shapes(sweep)
+    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+    started = time.perf_counter()
+
+    # Correctness first: the smallest and the largest expert counts at the smallest T, and one
+    # mid-size shape (the PyTorch plan's dense map is E x T int32, so keep T moderate).
+    check_t = sweep["tokens"][0]
+    mid_t = sweep["tokens"][min(2, len(sweep["tokens"]) - 1)]
+    checks = [(check_t, sweep["experts"][0], sweep["topk"][-1]), (check_t, sweep["experts"][-1], sweep["topk"][0]),
+              (mid_t, sweep["experts"][len(sweep["experts"]) // 2], sweep["topk"][-1])]
+    for num_tokens, num_experts, topk in checks:
+        topk_ids = random_topk_ids(num_tokens, num_experts, topk, args.device, generator)
+        check_shape(topk_ids, num_experts, build_routing_plan, megatron_fn)
+        print(f"checked T={num_tokens} E={num_experts} K={topk}: every method matches the torch plan", flush=True)
+
+    records = []
+    for num_tokens, num_experts, topk in todo:
+        topk_ids = random_topk_ids(num_tokens, num_experts, topk, args.device, generator)
+        runners = make_runners(topk_ids, num_experts, build_routing_plan, megatron_fn)
+        heavy = num_tokens * num_experts >= 2**25
+        stats = {name: time_ms(fn, args.device, heavy) for name, fn in runners.items()}
+        median = {name: s[0] for name, s in stats.items()}
+        best = min(median["three_step"], median["sort"], median["argsort"])
+        record = {
+            "tokens": num_tokens,
+            "experts": num_experts,
+            "topk": topk,
+            "auto_picks": choose_routing_method(topk_ids, num_experts),
+            "median_ms": median,
+            "p20_ms": {name: s[1] for name, s in stats.items()},
+            "p80_ms": {name: s[2] for name, s in stats.items()},
+            "speedup_three_step_vs_argsort": median["argsort"] / median["three_step"],
+            "auto_vs_best": median["auto"] / best,
+        }
+        records.append(record)
+        print(
+            f"T={num_tokens:>8} E={num_experts:>4} K={topk}: "
+            + " ".join(f"{name}={median[name]:.3f}" for name in METHODS)
+            + f" ms  [{time.perf_counter() - started:.0f} s]",
+            flush=True,
+        )
+        del topk_ids, runners
+
+    summary = summarize(records)
+    table = markdown(env, records, summary)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**env, "sweep": sweep, "summary": summary, "records": records}, indent=1) + "\n")
+    md_path = args.out.with_suffix(".md")
+    md_path.write_text(table)
+    print(f"wrote {args.out} and {md_path} ({time.perf_counter() - started:.0f} s)\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
