@@ -436,7 +436,9 @@ def tensor_core_report():
 
     report = {}
     for name in ("_row_gemm_kernel", "_weight_grad_kernel"):
-        fn = getattr(expert_gemm, name).fn
+        tuner = getattr(expert_gemm, name)
+        report[f"{name}:tuned"] = {str(key): str(cfg) for key, cfg in getattr(tuner, "cache", {}).items()}
+        fn = tuner.fn
         for cache in getattr(fn, "device_caches", {}).values():
             kernels = cache[0] if isinstance(cache, tuple) else cache
             for kernel in kernels.values():

@@ -19,13 +19,24 @@ from conftest import (
 
 from moeblaze_megatron import RoutingPlan, build_routing_plan
 
-METHODS = ["torch", "sort", "three_step", "auto"]
+# "three_step_multi" is the three-step build forced onto its three-launch path, which it takes
+# only past ONE_LAUNCH_MAX_TOKENS tokens or ONE_LAUNCH_MAX_EXPERTS experts otherwise.
+METHODS = ["torch", "sort", "three_step", "three_step_multi", "auto"]
 
 
 def build(topk_ids, num_experts, method, **kwargs):
-    if method == "three_step" and not three_step_available(topk_ids.device):
+    if method.startswith("three_step") and isinstance(topk_ids, torch.Tensor) and not three_step_available(topk_ids.device):
         pytest.skip("three_step needs CUDA tensors or TRITON_INTERPRET=1")
-    return build_routing_plan(topk_ids, num_experts, method=method, **kwargs)
+    if method != "three_step_multi":
+        return build_routing_plan(topk_ids, num_experts, method=method, **kwargs)
+    from moeblaze_megatron.kernels import routing as kernels
+
+    saved = kernels.ONE_LAUNCH_MAX_TOKENS
+    kernels.ONE_LAUNCH_MAX_TOKENS = -1
+    try:
+        return build_routing_plan(topk_ids, num_experts, method="three_step", **kwargs)
+    finally:
+        kernels.ONE_LAUNCH_MAX_TOKENS = saved
 
 
 @pytest.mark.parametrize("case_id", ROUTING_CASE_IDS)
@@ -136,7 +147,7 @@ def test_bad_input_names_the_argument(method, make_ids, num_experts, error, patt
     if isinstance(topk_ids, torch.Tensor):
         topk_ids = topk_ids.to(DEVICE)
     with pytest.raises(error, match=pattern):
-        build_routing_plan(topk_ids, num_experts, method=method)
+        build(topk_ids, num_experts, method)
 
 
 def test_unknown_method_names_the_argument(generator):
