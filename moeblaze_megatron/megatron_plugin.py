@@ -227,6 +227,11 @@ def _problems(get, gated: bool, activation: str) -> list[str]:
         "delay_wgrad_compute): MoEBlaze computes weight gradients in backward; drop these options",
     )
     refuse(
+        get("moe_expert_rank_capacity_factor") is not None or get("moe_paged_stash"),
+        "moe_expert_rank_capacity_factor / moe_paged_stash: options of the flex dispatcher; use "
+        "--moe-expert-capacity-factor for token dropping",
+    )
+    refuse(
         get("moe_latent_size"),
         "moe_latent_size (latent MoE projections): not supported; drop --moe-latent-size",
     )

@@ -1,0 +1,156 @@
+"""MoEBlazeTokenDispatcher: Megatron's six-method dispatcher contract without a permuted copy.
+
+The router gives a dense ``routing_map`` [T, E] and ``probs`` [T, E]; the dispatcher turns them
+into top-k ids and probabilities [T, K] and, instead of permuting tokens into a (T*K, d) buffer,
+hands the experts the hidden states as they are plus a routing plan (integer index maps).
+
+How the plan reaches the experts: ``MoELayer`` calls
+``experts(tokens, tokens_per_expert, permuted_probs)`` with whatever ``dispatch_postprocess``
+returned. This dispatcher returns ``(hidden [N, d], ExpertRouting, topk_probs [N, K])``: the
+``tokens_per_expert`` slot carries an ``ExpertRouting`` (the local top-k ids and their plan, with
+the per-expert counts as ``.tokens_per_expert``). Data flows through the call arguments only, so
+activation recomputation (``moe_layer_recompute``) re-runs it like any other forward.
+``MoEBlazeGroupedMLP`` returns the combined output per row [N, d], so ``combine_preprocess`` has
+nothing left to do.
+
+* EP = 1: N = T, the rows are the layer's own hidden states (a view, no copy).
+* EP > 1: each token travels once to every rank holding one of its experts
+  (``expert_parallel.TokenExchange``); the N received rows carry their local expert ids and
+  probabilities, the partial outputs travel back and are summed per token in rank order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from .expert_parallel import plan_token_exchange
+from .megatron_plugin import get_moeblaze_config
+from .routing import RoutingPlan, build_routing_plan
+
+__all__ = ["ExpertRouting", "MoEBlazeTokenDispatcher", "routing_map_to_topk"]
+
+
+@dataclass(frozen=True)
+class ExpertRouting:
+    """What the experts need besides the rows: local expert ids [N, K] (-1 unused) and their plan."""
+
+    topk_ids: torch.Tensor
+    plan: RoutingPlan
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        """[E_local] (token, expert) pairs per local expert, on device."""
+        return self.plan.tokens_per_expert
+
+
+def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
+    """Dense routing to top-k form: ``(topk_ids [T, K] int32, topk_probs [T, K])``.
+
+    Row t lists the experts marked in ``routing_map[t]`` in ascending id order, then -1 for the
+    slots left over (a token dropped from some experts by a capacity limit); ``topk_probs`` holds
+    ``probs[t, e]`` for each listed expert and 0 for the -1 slots. A row marking more than
+    ``topk`` experts keeps its ``topk`` lowest ids. Deterministic, no host synchronization,
+    differentiable in ``probs``.
+    """
+    if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool or routing_map.dim() != 2:
+        raise TypeError(
+            f"routing_map must be a 2-D bool tensor [tokens, experts], got "
+            f"{getattr(routing_map, 'dtype', type(routing_map).__name__)} of shape {tuple(getattr(routing_map, 'shape', ()))}"
+        )
+    if not isinstance(probs, torch.Tensor) or tuple(probs.shape) != tuple(routing_map.shape):
+        raise ValueError(
+            f"probs must be a tensor of the routing_map's shape {tuple(routing_map.shape)}, got "
+            f"{tuple(getattr(probs, 'shape', ()))}"
+        )
+    num_experts = routing_map.shape[1]
+    if not isinstance(topk, int) or not 1 <= topk <= num_experts:
+        raise ValueError(f"topk must be an int in [1, {num_experts}], got {topk!r}")
+    # Chosen expert e scores E - e, the others 0: top-k in descending score is ascending expert id.
+    score = routing_map.to(torch.int32) * torch.arange(
+        num_experts, 0, -1, dtype=torch.int32, device=routing_map.device
+    )
+    best, experts = torch.topk(score, topk, dim=1, sorted=True)
+    used = best > 0
+    topk_ids = torch.where(used, experts, -1).to(torch.int32)
+    topk_probs = torch.where(used, probs.gather(1, experts), 0)
+    return topk_ids, topk_probs
+
+
+class MoEBlazeTokenDispatcher(MoETokenDispatcher):
+    """Routes tokens to MoEBlazeGroupedMLP through routing plans instead of permuted copies."""
+
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        if self.tp_size != 1:
+            raise ValueError(
+                f"MoEBlazeTokenDispatcher needs expert_tensor_parallel_size=1, got {self.tp_size}"
+            )
+        if num_local_experts < 1 or len(local_expert_indices) != num_local_experts:
+            raise ValueError(
+                f"num_local_experts={num_local_experts} must be positive and match "
+                f"local_expert_indices ({len(local_expert_indices)} given)"
+            )
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = local_expert_indices
+        self.topk = config.moe_router_topk
+        self.routing_method = get_moeblaze_config(config).routing_method
+        self.hidden_shape = None
+        self.topk_ids = None
+        self.exchange = None
+
+    @property
+    def num_received_tokens(self) -> int | None:
+        """Rows received by this rank in the last exchange (EP > 1): its unique (token, rank)
+        pairs; None at EP = 1 or before the first dispatch."""
+        if self.exchange is None or self.exchange.recv_counts is None:
+            return None
+        return self.exchange.num_received
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        """Top-k form of the routing; at EP > 1 also the send buffer (one host sync for its size)."""
+        self.hidden_shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        topk_ids, topk_probs = routing_map_to_topk(routing_map, probs, self.topk)
+        if self.ep_size == 1:
+            self.topk_ids = topk_ids
+            return hidden_states, topk_probs
+        self.exchange, send_ids, send_cols = plan_token_exchange(topk_ids, self.num_local_experts, self.ep_size)
+        self.topk_ids = send_ids
+        send_probs = torch.where(send_ids >= 0, self.exchange.gather(topk_probs).gather(1, send_cols), 0)
+        return self.exchange.gather(hidden_states), send_probs
+
+    def token_dispatch(self, hidden_states, probs):
+        """EP > 1: all-to-all of the send rows, their local expert ids and probabilities."""
+        if self.ep_size == 1:
+            return hidden_states, probs
+        self.exchange.exchange_counts(self.ep_group)
+        self.topk_ids = self.exchange.dispatch(self.topk_ids, self.ep_group)
+        return self.exchange.dispatch(hidden_states, self.ep_group), self.exchange.dispatch(probs, self.ep_group)
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        """The routing plan over this rank's rows: ``(rows, ExpertRouting, topk_probs)``."""
+        plan = build_routing_plan(
+            self.topk_ids, self.num_local_experts, method=self.routing_method, validate=False
+        )
+        routing = ExpertRouting(self.topk_ids, plan)
+        self.topk_ids = None
+        return hidden_states, routing, probs
+
+    def combine_preprocess(self, hidden_states):
+        """The experts already combined each row's experts."""
+        return hidden_states
+
+    def token_combine(self, hidden_states):
+        """EP > 1: each partial output goes back to its source rank."""
+        if self.ep_size == 1:
+            return hidden_states
+        return self.exchange.give_back(hidden_states, self.ep_group)
+
+    def combine_postprocess(self, hidden_states):
+        """EP > 1: per-token sum of the partials in rank order; restore the input's shape."""
+        if self.ep_size > 1:
+            hidden_states = self.exchange.combine(hidden_states)
+        return hidden_states.view(self.hidden_shape)

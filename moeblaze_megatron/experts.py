@@ -1,0 +1,214 @@
+"""MoEBlazeGroupedMLP: the local experts as two stacked weights, run by ``moe_mlp``.
+
+Weights: ``weight1`` [E_local, 2h, d] for SwiGLU ([gate | up] rows, Megatron's GLU layout) or
+[E_local, h, d] for SiLU/GeLU, and ``weight2`` [E_local, d, h], with h = ``moe_ffn_hidden_size``.
+
+Checkpoints are SequentialMLP's: ``state_dict()`` writes ``local_experts.{i}.linear_fc1.weight``
+[2h, d] and ``local_experts.{i}.linear_fc2.weight`` [d, h] (plus their empty ``_extra_state``);
+``load_state_dict()`` also reads TEGroupedMLP's ``linear_fc1.weight{i}`` / ``linear_fc2.weight{i}``
+and this module's own ``weight1`` / ``weight2``. ``sharded_state_dict()`` describes the same global
+tensors under the same keys as SequentialMLP (``{prefix}experts.linear_fc1.weight`` of global
+shape [E, 2h, d], the SwiGLU halves as separate shards), one shard per stacked weight, so
+distributed checkpoints load either way and the distributed optimizer finds each parameter.
+
+Initialization follows SequentialMLP draw for draw (expert by expert, fc1 then fc2, in the
+expert-parallel RNG stream or on the CPU), so one seed gives both the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_object_for_checkpoint
+
+from .dispatcher import ExpertRouting
+from .megatron_plugin import get_moeblaze_config
+from .moe_mlp import moe_mlp
+
+__all__ = ["MoEBlazeGroupedMLP", "expert_activation"]
+
+_FC_NAMES = (("weight1", "linear_fc1"), ("weight2", "linear_fc2"))
+
+
+def expert_activation(config) -> str:
+    """``moe_mlp``'s activation for a TransformerConfig: 'swiglu', 'silu' or 'gelu'."""
+    if config.activation_func is F.silu:
+        return "swiglu" if config.gated_linear_unit else "silu"
+    if config.activation_func is F.gelu and not config.gated_linear_unit:
+        return "gelu"
+    raise ValueError(
+        f"MoEBlaze experts support SwiGLU (gated_linear_unit=True, activation_func=F.silu), SiLU "
+        f"and GeLU; got activation_func={getattr(config.activation_func, '__name__', config.activation_func)}, "
+        f"gated_linear_unit={config.gated_linear_unit}"
+    )
+
+
+class MoEBlazeGroupedMLP(MegatronModule):
+    """All local experts of one MoE layer; runs behind ``MoEBlazeTokenDispatcher``.
+
+    ``forward(rows [N, d], routing: ExpertRouting, probs [N, K]) -> (out [N, d], None)`` with
+    ``out[n] = sum_k probs[n, k] * fc2[e] @ act(fc1[e] @ rows[n])``, e = ``routing.topk_ids[n, k]``.
+    """
+
+    def __init__(self, num_local_experts: int, config, pg_collection=None, name: str | None = None):
+        super().__init__(config=config)
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        self.num_local_experts = num_local_experts
+        self.ep_group = pg_collection.ep
+        self.tp_group = pg_collection.expt_tp
+        self.dp_group = pg_collection.expt_dp
+        if self.tp_group.size() != 1:
+            raise ValueError(
+                f"MoEBlazeGroupedMLP needs expert_tensor_parallel_size=1, got {self.tp_group.size()}"
+            )
+        if config.add_bias_linear:
+            raise ValueError("MoEBlazeGroupedMLP has no bias; set add_bias_linear=False (--disable-bias-linear)")
+        self.activation = expert_activation(config)
+        options = get_moeblaze_config(config)
+        self.recompute = options.recompute
+        self.backend = options.backend
+
+        hidden = config.hidden_size
+        ffn = config.moe_ffn_hidden_size
+        gated = self.activation == "swiglu"
+        device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight1 = torch.nn.Parameter(
+            torch.empty(num_local_experts, (2 if gated else 1) * ffn, hidden, device=device, dtype=config.params_dtype)
+        )
+        self.weight2 = torch.nn.Parameter(
+            torch.empty(num_local_experts, hidden, ffn, device=device, dtype=config.params_dtype)
+        )
+        # The attributes Megatron's DDP, optimizer and grad-norm code read, as on stock experts.
+        use_expert_groups = (
+            config.expert_model_parallel_size > 1
+            or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
+        )
+        for weight, dim, stride in ((self.weight1, 1, 2 if gated else 1), (self.weight2, 2, 1)):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=stride)
+            weight.allreduce = not use_expert_groups
+        if config.perform_initialization:
+            self._initialize_weights()
+
+        self.register_state_dict_post_hook(_save_as_sequential_mlp)
+        self.register_load_state_dict_pre_hook(_load_stock_layouts)
+
+    @torch.no_grad()
+    def _initialize_weights(self) -> None:
+        for i in range(self.num_local_experts):
+            for weight, init_method in (
+                (self.weight1, self.config.init_method),
+                (self.weight2, self.config.output_layer_init_method),
+            ):
+                if self.config.use_cpu_initialization:
+                    master = torch.empty(weight.shape[1:], dtype=torch.float32)
+                    init_method(master)
+                    weight[i].copy_(master.to(weight.dtype))
+                else:
+                    with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                        init_method(weight[i])
+
+    def forward(self, hidden_states: torch.Tensor, routing: ExpertRouting, probs: torch.Tensor):
+        if not isinstance(routing, ExpertRouting):
+            raise TypeError(
+                "MoEBlazeGroupedMLP runs behind MoEBlazeTokenDispatcher "
+                "(moe_token_dispatcher_type='moeblaze'): expected an ExpertRouting as second "
+                f"argument, got {type(routing).__name__}"
+            )
+        out = moe_mlp(
+            hidden_states,
+            routing.topk_ids,
+            probs,
+            self.weight1,
+            self.weight2,
+            self.activation,
+            plan=routing.plan,
+            recompute=self.recompute,
+            backend=self.backend,
+        )
+        return out, None
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in backward; nothing is deferred."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """SequentialMLP's sharded tensors (same keys, global shapes, replica ids), one shard per
+        stacked weight."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        if metadata.get("singleton_local_shards", False):
+            raise NotImplementedError(
+                "MoEBlazeGroupedMLP does not write singleton_local_shards checkpoints; use the "
+                "default distributed checkpoint layout"
+            )
+        ep_rank, ep_size = self.ep_group.rank(), self.ep_group.size()
+        num_global = ep_size * self.num_local_experts
+        expert_axis = len(sharded_offsets)
+        # Replicated across expert data parallel ranks, as SequentialMLP marks them.
+        replica_id = (0, 0, self.dp_group.rank())
+        offsets = (*sharded_offsets, (expert_axis, ep_rank, ep_size))
+        sharded = {}
+        for param_name, fc in _FC_NAMES:
+            key = f"{prefix}experts.{fc}.weight"
+            param = getattr(self, param_name)
+            if fc == "linear_fc1" and self.activation == "swiglu":
+                sharded[f"{prefix}{param_name}"] = _glu_sharded_factory(key, param, offsets, replica_id)
+            else:
+                sharded[f"{prefix}{param_name}"] = ShardedTensor.from_rank_offsets(
+                    key, param, *offsets, replica_id=replica_id, prepend_axis_num=len(sharded_offsets)
+                )
+            for i in range(self.num_local_experts):
+                expert_offsets = (*sharded_offsets, (expert_axis, ep_rank * self.num_local_experts + i, num_global))
+                sharded[f"{prefix}local_experts.{i}.{fc}._extra_state"] = make_sharded_object_for_checkpoint(
+                    None, f"{prefix}experts.{fc}._extra_state", expert_offsets, replica_id=replica_id
+                )
+        return sharded
+
+
+def _glu_sharded_factory(key, param, offsets, replica_id):
+    """fc1 of a SwiGLU expert as two shards, gate rows then up rows, as SequentialMLP saves it."""
+    prepend = len(offsets) - 1
+    row_axis = prepend + 1
+
+    def build(key, data, replica_id, flattened_range):
+        if flattened_range is not None:
+            raise NotImplementedError("flattened SwiGLU expert shards are not supported")
+        gate, up = torch.chunk(data, 2, dim=1)
+        return [
+            ShardedTensor.from_rank_offsets(
+                key, half, *offsets, (row_axis, i, 2), replica_id=replica_id, prepend_axis_num=prepend
+            )
+            for i, half in enumerate((gate, up))
+        ]
+
+    def merge(halves):
+        return torch.cat(halves, dim=1)
+
+    return ShardedTensorFactory(key, param, build, merge, replica_id)
+
+
+def _save_as_sequential_mlp(module, state_dict, prefix, local_metadata):
+    for param_name, fc in _FC_NAMES:
+        stacked = state_dict.pop(prefix + param_name).detach()
+        for i in range(module.num_local_experts):
+            state_dict[f"{prefix}local_experts.{i}.{fc}.weight"] = stacked[i]
+            state_dict[f"{prefix}local_experts.{i}.{fc}._extra_state"] = None
+
+
+def _load_stock_layouts(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    experts = range(module.num_local_experts)
+    for param_name, fc in _FC_NAMES:
+        for i in experts:
+            state_dict.pop(f"{prefix}local_experts.{i}.{fc}._extra_state", None)
+        state_dict.pop(f"{prefix}{fc}._extra_state", None)
+        if prefix + param_name in state_dict:
+            continue
+        for layout in (f"{prefix}local_experts.{{}}.{fc}.weight", f"{prefix}{fc}.weight{{}}"):
+            keys = [layout.format(i) for i in experts]
+            if all(k in state_dict for k in keys):
+                state_dict[prefix + param_name] = torch.stack([state_dict.pop(k) for k in keys])
+                break
