@@ -524,6 +524,9 @@ def main(argv=None):
                     if "out of memory" in msg.lower():
                         rec["error"] = "OOM"
                 records.append(rec)
+                # Written after every record: a run cut short by its time limit keeps what it measured.
+                with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
+                    json.dump(dict(meta=meta, notes=notes, records=records), f, indent=1)
                 torch.cuda.empty_cache()
                 if args.profile and name.startswith("moeblaze") and "error" not in rec:
                     rec["kernels"] = profile_kernels(cls, T, d, h, E, K, act, dtype, device)
