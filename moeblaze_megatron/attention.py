@@ -9,6 +9,7 @@ memory-efficient kernels, so stock and MoEBlaze runs compare on the same, fast a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -38,6 +39,7 @@ class SDPAttention(MegatronModule):
     Mask semantics follow Transformer Engine's: a causal mask type implies the causal mask and
     ignores ``attention_mask`` (so the flash kernel can run); ``padding``/``arbitrary`` use
     ``attention_mask`` (bool, True = masked out, Megatron's convention); ``no_mask`` uses none.
+    A query row whose keys are all masked gives zeros (Megatron's core gives the mean of the values).
     """
 
     def __init__(
@@ -105,17 +107,14 @@ class SDPAttention(MegatronModule):
         # [s, b, heads, hn] -> [b, heads, s, hn]: views; SDPA only needs a unit last-dim stride.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
-        attend = lambda: F.scaled_dot_product_attention(  # noqa: E731
-            q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal,
-            scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1],
-        )
-        if dropout_p > 0.0 and not self.config.sequence_parallel:
-            # Heads are split over tensor-parallel ranks: draw dropout from the model-parallel
-            # RNG stream, as Megatron's attention does, so ranks drop different elements.
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                context = attend()
-        else:
-            context = attend()
+        # Heads are split over tensor-parallel ranks: draw dropout from the model-parallel RNG
+        # stream, as Megatron's attention does, so that ranks drop different elements.
+        forked = dropout_p > 0.0 and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if forked else contextlib.nullcontext():
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal,
+                scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1],
+            )
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], -1)
 

@@ -315,6 +315,7 @@ def check_moeblaze_args(args) -> None:
 # Installation
 
 _original_moe_layer_init = None
+_original_parse_args = None
 
 
 def is_installed() -> bool:
@@ -322,11 +323,28 @@ def is_installed() -> bool:
 
 
 def install() -> None:
-    """Make ``moe_token_dispatcher_type='moeblaze'`` build MoEBlaze MoE layers. Idempotent."""
-    global _original_moe_layer_init
+    """Make ``moe_token_dispatcher_type='moeblaze'`` build MoEBlaze MoE layers, and every parse
+    of Megatron's command line accept ``--moe-token-dispatcher-type moeblaze`` and the
+    ``--moeblaze-*`` flags. Idempotent."""
+    global _original_moe_layer_init, _original_parse_args
     if _original_moe_layer_init is not None:
         return
     from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    try:
+        from megatron.training import arguments
+    except ImportError:  # megatron.core alone: there is no command line to extend
+        arguments = None
+    if arguments is not None:
+        # pretrain() parses sys.argv again without the entry point's extra_args_provider (fault
+        # tolerance and in-process restart setup), so the flags must be known to every parse.
+        _original_parse_args = arguments.parse_args
+
+        @functools.wraps(_original_parse_args)
+        def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+            return _original_parse_args(moeblaze_extra_args_provider(extra_args_provider), ignore_unknown_args)
+
+        arguments.parse_args = parse_args
 
     original = MoELayer.__init__
     signature = inspect.signature(original)
@@ -344,14 +362,19 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Undo ``install()``: MoELayer goes back to Megatron's own constructor."""
-    global _original_moe_layer_init
+    """Undo ``install()``: MoELayer and Megatron's argument parsing go back to their own code."""
+    global _original_moe_layer_init, _original_parse_args
     if _original_moe_layer_init is None:
         return
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     MoELayer.__init__ = _original_moe_layer_init
     _original_moe_layer_init = None
+    if _original_parse_args is not None:
+        from megatron.training import arguments
+
+        arguments.parse_args = _original_parse_args
+        _original_parse_args = None
 
 
 def _init_moeblaze_layer(original_init, bound: inspect.BoundArguments) -> None:

@@ -28,10 +28,11 @@ __all__ = ["RoutingPlan", "build_routing_plan", "check_topk_ids", "ROUTING_METHO
 
 ROUTING_METHODS = ("auto", "three_step", "sort", "torch")
 
-# The three-step build keeps a dense (E, T) int8 map; past this many experts the narrow-key sort is
-# faster (H200, scripts/bench_routing.py, 2026-11-29: at E=128 and T=1M the sort took 0.39-0.70 ms
-# against 0.83-1.28 ms), and its memory stays O(T*K).
-THREE_STEP_MAX_EXPERTS = 64
+# The three-step build writes and reads a dense (E, T) int8 map; past about 2^25 cells the sort,
+# whose memory stays O(T*K), is as fast or faster (H200, scripts/bench_routing.py, 2026-11-29:
+# at 2^24 cells and below the three-step build won every shape, at 2^26 and above the sort won or
+# tied, at 2^25 they traded places within 30%).
+THREE_STEP_MAX_CELLS = 2**25
 _INDEX_LIMIT = 2**31 - 1
 
 
@@ -167,12 +168,13 @@ def build_routing_plan(
 
 
 def choose_routing_method(topk_ids: torch.Tensor, num_experts: int) -> str:
-    """The three-step build on the GPU up to THREE_STEP_MAX_EXPERTS, the sort past it; on the CPU the
-    PyTorch path (Triton runs there only under the slow interpreter)."""
+    """On the GPU the three-step build up to THREE_STEP_MAX_CELLS map cells, the sort past it; on
+    the CPU the PyTorch path (Triton runs there only under the slow interpreter)."""
+    from .kernels.routing import MAX_TOPK
+
     if topk_ids.device.type == "cuda":
-        if num_experts <= THREE_STEP_MAX_EXPERTS and topk_ids.shape[1] <= 126:
-            return "three_step"
-        return "sort"
+        cells = topk_ids.shape[0] * num_experts
+        return "three_step" if cells <= THREE_STEP_MAX_CELLS and topk_ids.shape[1] <= MAX_TOPK else "sort"
     return "torch"
 
 

@@ -206,7 +206,8 @@ class MegaBlocks(Impl):
             activation_fn=F.gelu if activation == "gelu" else F.silu, bf16=fc1.dtype == torch.bfloat16,
             moe_loss_weight=0.0, device=fc1.device,
         )
-        self.mlp = ParallelDroplessMLP(args)
+        # Its grouped GEMM wants bf16 weights; the layer is built in float32 whatever args.bf16 says.
+        self.mlp = ParallelDroplessMLP(args).to(device=fc1.device, dtype=fc1.dtype)
         with torch.no_grad():
             m = self.mlp.mlp
             m.w1.copy_(fc1[:, :h].reshape(E * h, d))
@@ -625,7 +626,7 @@ def markdown_table(meta, notes, records):
                 f"{r['pct_of_matmul']:.0f}% | {speed} | {r['saved_bytes'] / 2**20:.0f} | {r['floor_bytes'] / 2**20:.0f} | "
                 f"{r['peak_bytes'] / 2**20:.0f} | {check} |")
     if notes:
-        lines += ["", "Not run:"] + [f"- {n}" for n in notes]
+        lines += ["", "Notes:"] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
 
 

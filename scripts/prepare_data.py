@@ -14,12 +14,16 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from pathlib import Path
 
 # Runs from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moeblaze_megatron.data import build_byte_dataset, dataset_exists, stdlib_source_files  # noqa: E402
+
+# Importing Megatron-Core warns about every optional accelerator library it does not find.
+warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
 
 DEFAULT_PREFIX = "data/pystdlib_text_document"
 
@@ -40,7 +44,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     files = stdlib_source_files(args.source_dir)
     max_bytes = None if args.max_mb is None else int(args.max_mb * 1e6)
-    print(f"tokenizing {len(files)} files from {files[0].parent if args.source_dir else 'the standard library'} ...", flush=True)
+    print(f"tokenizing {len(files)} files from {args.source_dir or 'the standard library'} ...", flush=True)
     stats = build_byte_dataset(args.output_prefix, files, max_bytes=max_bytes)
     print(
         f"{stats['prefix']}: {stats['num_documents']} documents, {stats['num_tokens']:,} tokens "

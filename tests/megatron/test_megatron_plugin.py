@@ -163,6 +163,27 @@ def test_parser_accepts_moeblaze_and_plugin_flags(monkeypatch):
     assert megatron_plugin.moeblaze_config_from_args(args) == MoEBlazeConfig("fc1", "sort", "reference")
 
 
+def test_every_megatron_parse_accepts_moeblaze_after_install(monkeypatch):
+    """pretrain() parses sys.argv again with no extra_args_provider (fault-tolerance setup)."""
+    from megatron.training import arguments, ft_integration
+
+    monkeypatch.setattr(sys, "argv", ["pretrain", *MEGATRON_ARGS, "--moe-token-dispatcher-type", "moeblaze",
+                                      "--moeblaze-recompute", "fc1"])
+    was_installed = megatron_plugin.is_installed()
+    megatron_plugin.install()
+    try:
+        ft_integration.setup()  # the re-parse inside pretrain(); returns when FT is off
+        args = arguments.parse_args(ignore_unknown_args=True)
+        assert (args.moe_token_dispatcher_type, args.moeblaze_recompute) == ("moeblaze", "fc1")
+        megatron_plugin.uninstall()
+        with pytest.raises(SystemExit):
+            arguments.parse_args(ignore_unknown_args=True)
+    finally:
+        megatron_plugin.install()
+        if not was_installed:
+            megatron_plugin.uninstall()
+
+
 def test_parser_defaults_and_stock_choices(monkeypatch):
     args = _parse(monkeypatch, ["--moe-token-dispatcher-type", "alltoall"])
     assert args.moe_token_dispatcher_type == "alltoall"
