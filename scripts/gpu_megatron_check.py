@@ -35,6 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import moeblaze_megatron  # noqa: E402
+from moeblaze_megatron.experts import sequential_named_grads as named_grads  # noqa: E402
 
 BF16_TOL = 8 * 2.0**-9
 # name: (hidden d, expert ffn h, experts E, top-k K)
@@ -116,25 +117,6 @@ def build_gpt(config, device, vocab, seq):
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,
                      max_sequence_length=seq, position_embedding_type="rope")
     return model.to(device=device, dtype=config.params_dtype)
-
-
-def named_grads(module) -> dict:
-    """Gradients under state-dict names; MoEBlaze's stacked expert gradients split per expert."""
-    from moeblaze_megatron.experts import MoEBlazeGroupedMLP
-
-    grads = {}
-    for mod_name, mod in module.named_modules():
-        prefix = f"{mod_name}." if mod_name else ""
-        if isinstance(mod, MoEBlazeGroupedMLP):
-            for param, fc in (("weight1", "linear_fc1"), ("weight2", "linear_fc2")):
-                grad = getattr(mod, param).grad
-                for i in range(mod.num_local_experts):
-                    grads[f"{prefix}local_experts.{i}.{fc}.weight"] = grad[i]
-            continue
-        for name, param in mod.named_parameters(recurse=False):
-            if param.grad is not None:
-                grads[f"{prefix}{name}"] = param.grad
-    return grads
 
 
 def rel_err(got, want) -> float:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import moeblaze_megatron
 from moeblaze_megatron.cpu_compat import enable_cpu_megatron
+from moeblaze_megatron.experts import sequential_named_grads as named_grads  # noqa: F401 (the tests import it from here)
 
 # Relative-error bars against a float64 evaluation of the same model (the "oracle"): fp32 paths
 # differ from the oracle only by rounding (~1e-7 per op, well under 1e-5 after a few layers);
@@ -147,25 +148,6 @@ def copy_parameters(source: torch.nn.Module, target: torch.nn.Module) -> None:
     """Give ``target`` the weights of ``source`` through the state-dict formats (stock and MoEBlaze
     experts read each other's), buffers such as the router's expert bias included."""
     target.load_state_dict(source.state_dict(), strict=True)
-
-
-def named_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameter gradients under state-dict names: MoEBlaze's stacked expert gradients are split
-    into SequentialMLP's ``local_experts.{i}.linear_fc{1,2}.weight`` entries."""
-    from moeblaze_megatron.experts import MoEBlazeGroupedMLP
-
-    grads = {}
-    for mod_name, mod in module.named_modules():
-        prefix = f"{mod_name}." if mod_name else ""
-        if isinstance(mod, MoEBlazeGroupedMLP):
-            for param_name, fc in (("weight1", "linear_fc1"), ("weight2", "linear_fc2")):
-                grad = getattr(mod, param_name).grad
-                for i in range(mod.num_local_experts):
-                    grads[f"{prefix}local_experts.{i}.{fc}.weight"] = None if grad is None else grad[i]
-            continue
-        for name, param in mod.named_parameters(recurse=False):
-            grads[f"{prefix}{name}"] = param.grad
-    return grads
 
 
 # ---------------------------------------------------------------------------------------------
