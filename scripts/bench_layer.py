@@ -599,7 +599,7 @@ def plot(records, path):
 
 def markdown_table(meta, notes, records):
     lines = [
-        f"# bench_layer: one MoE layer, forward+backward, routing given",
+        "# bench_layer: one MoE layer, forward+backward, routing given",
         "",
         f"{meta['date']} on {meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}; "
         f"dense bf16 matmul in the same run: {meta['matmul_peak_tflops']:.0f} TFLOP/s.",

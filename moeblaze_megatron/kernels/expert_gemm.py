@@ -19,7 +19,6 @@ Row tiles never straddle two experts: row-tile i is mapped to its expert inside 
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

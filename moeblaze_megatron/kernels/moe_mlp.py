@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .combine import combine
-from .expert_gemm import EPI_ACT_BWD, EPI_ACT_FWD, EPI_STORE, row_gemm, row_gemm_ds_tiles, weight_grad
+from .expert_gemm import EPI_ACT_BWD, EPI_ACT_FWD, row_gemm, row_gemm_ds_tiles, weight_grad
 
 
 class TritonMoEMLP(torch.autograd.Function):
