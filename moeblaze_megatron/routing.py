@@ -24,15 +24,25 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RoutingPlan", "build_routing_plan", "check_topk_ids", "ROUTING_METHODS"]
+__all__ = ["ROUTING_METHODS", "RoutingPlan", "build_routing_plan", "check_topk_ids"]
 
 ROUTING_METHODS = ("auto", "three_step", "sort", "torch")
 
-# The three-step build writes and reads a dense (E, T) int8 map; past about 2^25 cells the sort,
-# whose memory stays O(T*K), is as fast or faster (H200, scripts/bench_routing.py, 2026-11-29:
-# at 2^24 cells and below the three-step build won every shape, at 2^26 and above the sort won or
-# tied, at 2^25 they traded places within 30%).
+# Which build "auto" runs on the GPU (H200, scripts/bench_routing.py, 2026-11-29, eager times).
+# The three-step build writes and reads a dense (E, T) int8 map: while it fits the 50 MB L2
+# (T*E <= 2^25) the build costs its launch floor (0.12-0.14 ms up to T = 262144); past that it
+# grows with T*E (T = 1M: E = 32 0.16-0.24 ms, E = 64 0.31-0.45, E = 128 0.61-0.85, E = 256
+# 1.2-1.7). The sort's cost grows with T*K whatever E is, so past 2^25 cells the three-step build
+# keeps the shapes with few experts per choice: E <= THREE_STEP_MAX_EXPERTS_PER_TOPK * K.
+# Measured with the sort's former PyTorch tail (~15 ops after the sort, ~143 bytes moved per slot):
+# T = 1M, K = 8: E = 64 three_step 0.446 ms vs sort 0.682, E = 128 0.854 vs 0.702, i.e. E <= 8K.
+# The one-kernel sort (kernels/sort_plan.py) moves ~58 bytes per slot (ids 8 and key 1 to build the
+# keys, ~27 in the one radix pass, ~22 in the plan kernel); that pass took ~0.08 ms at 8M slots (a
+# second pass, E = 512 vs 128: 0.78 vs 0.702 ms), so it should take ~0.2-0.3 ms at T = 1M, K = 8,
+# between the three-step build at E = 32 (0.24) and at E = 64 (0.446): hence E <= 4K. A prediction
+# until the next H200 run, whose auto/best columns (eager and CUDA graph) check it.
 THREE_STEP_MAX_CELLS = 2**25
+THREE_STEP_MAX_EXPERTS_PER_TOPK = 4
 _INDEX_LIMIT = 2**31 - 1
 
 
@@ -78,7 +88,7 @@ class RoutingPlan:
         used = (pos >= 0).view(*pos.shape, *([1] * (rows.dim() - 1)))
         return torch.where(used, rows[pos.clamp(min=0)], 0)
 
-    def to(self, device) -> "RoutingPlan":
+    def to(self, device) -> RoutingPlan:
         return RoutingPlan(*(t.to(device) for t in self._tensors()))
 
     def _tensors(self):
@@ -147,9 +157,10 @@ def build_routing_plan(
     """Build the routing plan for ``topk_ids`` [T, K] (expert id of each token's k-th choice).
 
     ``method``: ``"three_step"`` (the atomic-free Triton build: dense token-expert map, per-expert
-    counts and prefix sum, tile scan and scatter), ``"sort"`` (a stable narrow-key sort, O(T*K)
-    memory, faster for many experts), ``"torch"`` (the pure-PyTorch mirror of the three-step
-    build; the CPU path and the test oracle) or ``"auto"`` (the fastest that applies).
+    counts and prefix sum, tile scan and scatter), ``"sort"`` (a stable narrow-key sort, then one
+    Triton kernel; O(T*K) memory, faster for many experts), ``"torch"`` (the pure-PyTorch mirror of
+    the three-step build; the CPU path and the test oracle) or ``"auto"`` (the fastest that
+    applies).
     ``validate=False`` skips the range and distinctness checks of the ids, and with them the
     only device-to-host synchronization; invalid ids then give an undefined plan.
     """
@@ -163,19 +174,30 @@ def build_routing_plan(
 
         return RoutingPlan(*three_step_routing_plan(topk_ids, num_experts))
     if method == "sort":
-        return sort_routing_plan(topk_ids, num_experts)
+        from .kernels.sort_plan import sort_routing_plan
+
+        return RoutingPlan(*sort_routing_plan(topk_ids, num_experts))
     return torch_routing_plan(topk_ids, num_experts)
 
 
 def choose_routing_method(topk_ids: torch.Tensor, num_experts: int) -> str:
-    """On the GPU the three-step build up to THREE_STEP_MAX_CELLS map cells, the sort past it; on
-    the CPU the PyTorch path (Triton runs there only under the slow interpreter)."""
+    """On the GPU the faster build for the shape (see gpu_routing_method); on the CPU the PyTorch
+    path (Triton runs there only under the slow interpreter)."""
+    if topk_ids.device.type == "cuda":
+        return gpu_routing_method(topk_ids.shape[0], num_experts, topk_ids.shape[1])
+    return "torch"
+
+
+def gpu_routing_method(num_tokens: int, num_experts: int, topk: int) -> str:
+    """The three-step build while its dense map fits L2 (THREE_STEP_MAX_CELLS) or while the experts
+    are few for the top-k (THREE_STEP_MAX_EXPERTS_PER_TOPK); the sort otherwise, and past the
+    three-step build's MAX_TOPK."""
     from .kernels.routing import MAX_TOPK
 
-    if topk_ids.device.type == "cuda":
-        cells = topk_ids.shape[0] * num_experts
-        return "three_step" if cells <= THREE_STEP_MAX_CELLS and topk_ids.shape[1] <= MAX_TOPK else "sort"
-    return "torch"
+    few_experts = num_experts <= THREE_STEP_MAX_EXPERTS_PER_TOPK * topk
+    if topk <= MAX_TOPK and (num_tokens * num_experts <= THREE_STEP_MAX_CELLS or few_experts):
+        return "three_step"
+    return "sort"
 
 
 def torch_routing_plan(topk_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
@@ -204,30 +226,3 @@ def torch_routing_plan(topk_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
     token_index_map[t_idx, (dense[e_idx, t_idx] - 1).long()] = pos[e_idx, t_idx]
     return RoutingPlan(expert_token_indices, offsets, topk_ids.int(), token_index_map)
 
-
-def sort_routing_plan(topk_ids: torch.Tensor, num_experts: int) -> RoutingPlan:
-    """Stable sort of the flattened expert ids: slot t*K+k ascends in t within each expert.
-
-    The keys are cast to the narrowest integer type that holds E, so the radix sort makes as few
-    passes as the expert count needs.
-    """
-    num_tokens, topk = topk_ids.shape
-    device = topk_ids.device
-    # Unused slots (-1) get key E and sort last.
-    key_dtype = torch.uint8 if num_experts <= 255 else (torch.int16 if num_experts <= 32766 else torch.int32)
-    flat = topk_ids.reshape(-1)
-    keys = torch.where(flat < 0, num_experts, flat).to(key_dtype)
-    sorted_keys, slots = torch.sort(keys, stable=True)
-    unused = sorted_keys == num_experts
-    expert_token_indices = torch.where(unused, -1, torch.div(slots, topk, rounding_mode="floor")).int()
-    token_index_map = torch.empty(num_tokens * topk, dtype=torch.int32, device=device)
-    token_index_map[slots] = torch.where(
-        unused, -1, torch.arange(num_tokens * topk, dtype=torch.int32, device=device)
-    ).int()
-    boundaries = torch.arange(num_experts + 1, device=device).to(
-        torch.int32 if key_dtype == torch.uint8 else key_dtype
-    )
-    offsets = torch.searchsorted(sorted_keys.to(boundaries.dtype), boundaries, out_int32=True)
-    return RoutingPlan(
-        expert_token_indices, offsets, topk_ids.int(), token_index_map.view(num_tokens, topk)
-    )

@@ -257,6 +257,35 @@ class StepResult:
     tokens: int
 
 
+def _release_device_memory(model_chunks) -> None:
+    """Free the parameters, gradient buffers and any graph still attached to the model now,
+    whoever still refers to the module objects.
+
+    Megatron's stock token dispatchers (plain objects hanging off each MoE layer) keep the last
+    step's router probabilities, graph attached; with the gradient hooks this makes cycles through
+    C++ autograd nodes that Python's garbage collector does not always break, and a closed model
+    stayed in device memory (seen on the H200: the third of three models in one process ran out
+    of memory)."""
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            owners = [module] + [v for v in vars(module).values()
+                                 if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor))]
+            for owner in owners:
+                for name, value in list(vars(owner).items()):
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        setattr(owner, name, None)
+        for param in chunk.parameters():
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            param.grad = None
+            if hasattr(param, "main_grad"):
+                param.main_grad = None
+        # Megatron's DDP keeps its contiguous gradient (and parameter) buffers in these lists.
+        for name in ("buffers", "expert_parallel_buffers"):
+            buffers = vars(chunk).get(name)
+            for buffer in buffers if isinstance(buffers, list) else ():
+                buffer.grad_data = buffer.param_data = None
+
+
 class Trainer:
     """One model with its optimizer and scheduler, trained step by step.
 
@@ -408,6 +437,7 @@ class Trainer:
 
         # The model's TransformerConfig holds the optimizer's loss-scale hook: drop both.
         self.config.grad_scale_func = self.config.finalize_model_grads_func = None
+        _release_device_memory(self.model)
         self.model = self.optimizer = self.scheduler = self.train_dataset = self.config = None
         unset_global_variables()
         gc.collect()

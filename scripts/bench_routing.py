@@ -17,6 +17,14 @@ Megatron's router produces it anyway.
 
 Before timing, every method's output is checked against the PyTorch plan on a few shapes.
 
+Two timings per method (medians, L2 flushed before each run): ``median_ms``, eager calls, i.e. the
+wall time of enqueueing and running them, which at small T is the host's launch cost; and on the
+GPU ``graph_ms``, replays of the method captured in a CUDA graph, i.e. its GPU time alone. In
+training the host enqueues ahead of the GPU, so the GPU time is what the routing costs on the
+critical path. A method that cannot be captured (a host synchronization: ``auto_validated``,
+``masked_select``, perhaps Megatron's permute) gets None, and the JSON's ``graph_not_captured``
+says why.
+
     python scripts/bench_routing.py                  # the full sweep on the GPU (~3 minutes)
     python scripts/bench_routing.py --quick          # a few shapes
     python scripts/bench_routing.py --device cpu --quick   # tiny shapes, Triton interpreted
@@ -47,7 +55,7 @@ FULL_SWEEP = {
 QUICK_SWEEP = {"tokens": [4096, 65536, 1048576], "experts": [8, 64, 512], "topk": [1, 8]}
 CPU_SWEEP = {"tokens": [100, 600], "experts": [8, 20], "topk": [1, 2]}
 
-PLAN_METHODS = ["three_step", "sort", "auto", "auto_validated"]
+PLAN_METHODS = ["three_step", "three_launch", "sort", "auto", "auto_validated"]
 BASELINES = ["argsort", "megatron", "masked_select"]
 METHODS = PLAN_METHODS + BASELINES
 
@@ -119,7 +127,7 @@ def megatron_permute():
     try:
         import megatron.core
         from megatron.core.transformer.moe.moe_utils import permute
-    except Exception as error:  # megatron-core absent or not importable here
+    except Exception as error:  # noqa: BLE001  (megatron-core absent or not importable here)
         label = f"reimplementation of megatron.core 0.19 moe_utils.permute ({error.__class__.__name__} on import)"
         return megatron_index_reimplemented, label
 
@@ -131,17 +139,22 @@ def megatron_permute():
 
 
 def make_runners(topk_ids, num_experts, build_routing_plan, megatron_fn):
+    from moeblaze_megatron.kernels.routing import three_step_routing_plan
+    from moeblaze_megatron.routing import RoutingPlan
+
     routing_map = routing_map_of(topk_ids, num_experts)
     num_out = topk_ids.numel()
     plan_kwargs = {
-        "three_step": dict(method="three_step", validate=False),
-        "sort": dict(method="sort", validate=False),
-        "auto": dict(method="auto", validate=False),
-        "auto_validated": dict(method="auto", validate=True),
+        "three_step": {"method": "three_step", "validate": False},
+        "sort": {"method": "sort", "validate": False},
+        "auto": {"method": "auto", "validate": False},
+        "auto_validated": {"method": "auto", "validate": True},
     }
     runners = {
         name: (lambda kw=kw: build_routing_plan(topk_ids, num_experts, **kw)) for name, kw in plan_kwargs.items()
     }
+    # The three-step build without its single-launch variant, to check where that variant pays.
+    runners["three_launch"] = lambda: RoutingPlan(*three_step_routing_plan(topk_ids, num_experts, one_launch=False))
     runners["argsort"] = lambda: argsort_plan(topk_ids, num_experts)
     runners["megatron"] = lambda: megatron_fn(routing_map, num_out)
     runners["masked_select"] = lambda: masked_select_index(routing_map)
@@ -185,6 +198,58 @@ def time_ms(fn, device, heavy):
     return statistics.median(times), times[1], times[-2]
 
 
+def graph_time_ms(fn, heavy):
+    """(median, 20th, 80th percentile) in milliseconds of replays of ``fn`` captured in a CUDA
+    graph; raises if ``fn`` cannot be captured."""
+    from triton.testing import do_bench
+
+    # Warm up on a side stream before capturing, as torch.cuda.graphs asks.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    stream = torch.cuda.current_stream()
+    stream.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    finally:
+        # When the capture fails, torch.cuda.graph's exit raises before it restores the stream.
+        torch.cuda.set_stream(stream)
+    # do_bench records events around each replay; the L2 flush before each one (a 256 MB memset)
+    # keeps the host's replay launch ahead of the GPU, so the events time the GPU work.
+    warmup, rep = (5, 15) if heavy else (10, 30)
+    median, low, high = do_bench(graph.replay, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8])
+    return median, low, high
+
+
+def graph_times(runners, heavy, not_captured):
+    """{name: graph_time_ms or None}; why a runner could not be captured goes into
+    ``not_captured`` (the first reason per runner)."""
+    stats = {}
+    for name, fn in runners.items():
+        try:
+            stats[name] = graph_time_ms(fn, heavy)
+        except Exception as error:  # noqa: BLE001  (a host synchronization inside fn, typically)
+            stats[name] = None
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            not_captured.setdefault(name, f"{type(error).__name__}: {first_line}"[:300])
+    torch.cuda.empty_cache()  # the graphs' private memory pools
+    return stats
+
+
+def ratios(median):
+    """(argsort / three_step, auto / min(three_step, sort, argsort)), or None where a time is
+    missing."""
+    needed = ("three_step", "sort", "argsort", "auto")
+    if any(median.get(name) is None for name in needed):
+        return None, None
+    best = min(median["three_step"], median["sort"], median["argsort"])
+    return median["argsort"] / median["three_step"], median["auto"] / best
+
+
 def shapes(sweep):
     return [(t, e, k) for t in sweep["tokens"] for e in sweep["experts"] for k in sweep["topk"] if k <= e]
 
@@ -200,61 +265,94 @@ def environment(args, megatron_label):
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "megatron": megatron_label,
-        "timer": "Triton do_bench, L2 flushed before each run" if args.device == "cuda"
-        else "wall clock, 5 runs; a smoke test: the Triton build runs in the interpreter",
+        "timer": "Triton do_bench, L2 flushed before each run; graph: do_bench of CUDA graph replays"
+        if args.device == "cuda"
+        else "wall clock, 5 runs; a smoke test: the Triton build runs in the interpreter; no graph timing",
     }
 
 
 def summarize(records):
-    """Goal lines: three-step >= 2x argsort where E <= 64; auto never slower than the better path."""
-    small_e = [r for r in records if r["experts"] <= 64]
-    fast = [r for r in small_e if r["speedup_three_step_vs_argsort"] >= 2.0]
-    worst_auto = max(records, key=lambda r: r["auto_vs_best"])
-    slowest = min(small_e, key=lambda r: r["speedup_three_step_vs_argsort"], default=None)
-    lowest = ""
-    if slowest:
-        lowest = (
-            f" (lowest {slowest['speedup_three_step_vs_argsort']:.2f}x at T={slowest['tokens']} "
-            f"E={slowest['experts']} K={slowest['topk']})"
-        )
-    lines = [
-        f"three_step >= 2x faster than argsort where E <= 64: {len(fast)} of {len(small_e)} shapes{lowest}",
-        f"auto vs min(three_step, sort, argsort): worst {worst_auto['auto_vs_best']:.2f}x at "
-        f"T={worst_auto['tokens']} E={worst_auto['experts']} K={worst_auto['topk']} "
-        f"({sum(r['auto_vs_best'] <= 1.05 for r in records)} of {len(records)} shapes within 5%)",
-    ]
+    """Goal lines for each timing: three-step >= 2x argsort where E <= 64; auto never slower than
+    the better path."""
+    lines = []
+    for label, prefix in (("eager", ""), ("GPU (CUDA graph)", "graph_")):
+        timed = [r for r in records if r[f"{prefix}auto_vs_best"] is not None]
+        if not timed:
+            lines.append(f"{label}: not measured")
+            continue
+        speedup, auto_vs_best = f"{prefix}speedup_three_step_vs_argsort", f"{prefix}auto_vs_best"
+        small_e = [r for r in timed if r["experts"] <= 64]
+        fast = [r for r in small_e if r[speedup] >= 2.0]
+        worst_auto = max(timed, key=lambda r: r[auto_vs_best])
+        slowest = min(small_e, key=lambda r: r[speedup], default=None)
+        lowest = ""
+        if slowest:
+            lowest = (
+                f" (lowest {slowest[speedup]:.2f}x at T={slowest['tokens']} "
+                f"E={slowest['experts']} K={slowest['topk']})"
+            )
+        lines += [
+            (
+                f"{label}: three_step >= 2x faster than argsort where E <= 64: {len(fast)} of "
+                f"{len(small_e)} shapes{lowest}"
+            ),
+            (
+                f"{label}: auto vs min(three_step, sort, argsort): worst {worst_auto[auto_vs_best]:.2f}x "
+                f"at T={worst_auto['tokens']} E={worst_auto['experts']} K={worst_auto['topk']} "
+                f"({sum(r[auto_vs_best] <= 1.05 for r in timed)} of {len(timed)} shapes within 5%)"
+            ),
+        ]
     return lines
+
+
+def _ms(value):
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _ratio(value, unit=""):
+    return "-" if value is None else f"{value:.2f}{unit}"
 
 
 def markdown(env, records, summary):
     head = [
         "# Routing plan build time",
         "",
-        f"{env['date']} on {env['gpu']}; torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}, "
-        f"Python {env['python']}. Megatron column: {env['megatron']}.",
+        (
+            f"{env['date']} on {env['gpu']}; torch {env['torch']}, Triton {env['triton']}, "
+            f"CUDA {env['cuda']}, Python {env['python']}. Megatron column: {env['megatron']}."
+        ),
         f"Command: `{env['command']}`",
         "",
-        f"Median ms ({env['timer']}). speedup = argsort / three_step; "
-        "auto/best = auto / min(three_step, sort, argsort). The routing map the Megatron columns "
-        "start from is built outside the timing.",
+        (
+            f"Median ms ({env['timer']}). Plain columns: eager calls (host launch cost included); "
+            "graph columns: replays of a CUDA graph of the call (GPU time alone; - where not "
+            "measured). speedup = argsort / three_step; auto/best = auto / min(three_step, sort, "
+            "argsort); both eager / graph. The routing map the Megatron columns start from is built "
+            "outside the timing."
+        ),
         "",
         *[f"- {line}" for line in summary],
         "",
-        "| T | E | K | three_step | sort | auto (picks) | auto+validate | argsort | megatron | masked_select "
-        "| speedup | auto/best |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        (
+            "| T | E | K | three_step | 3 launches | sort | auto (picks) | auto+validate | argsort "
+            "| megatron | masked_select | three_step graph | sort graph | argsort graph | speedup "
+            "| auto/best |"
+        ),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows = []
     for r in records:
-        ms = r["median_ms"]
+        ms, graph = r["median_ms"], r["graph_ms"]
         rows.append(
-            f"| {r['tokens']} | {r['experts']} | {r['topk']} | {ms['three_step']:.3f} | {ms['sort']:.3f} | "
-            f"{ms['auto']:.3f} ({r['auto_picks']}) | {ms['auto_validated']:.3f} | {ms['argsort']:.3f} | "
-            f"{ms['megatron']:.3f} | {ms['masked_select']:.3f} | {r['speedup_three_step_vs_argsort']:.2f}x | "
-            f"{r['auto_vs_best']:.2f} |"
+            f"| {r['tokens']} | {r['experts']} | {r['topk']} | {ms['three_step']:.3f} | {ms['three_launch']:.3f} | "
+            f"{ms['sort']:.3f} | {ms['auto']:.3f} ({r['auto_picks']}) | {ms['auto_validated']:.3f} | "
+            f"{ms['argsort']:.3f} | {ms['megatron']:.3f} | {ms['masked_select']:.3f} | "
+            f"{_ms(graph['three_step'])} | {_ms(graph['sort'])} | {_ms(graph['argsort'])} | "
+            f"{_ratio(r['speedup_three_step_vs_argsort'], 'x')} / {_ratio(r['graph_speedup_three_step_vs_argsort'], 'x')} | "
+            f"{_ratio(r['auto_vs_best'])} / {_ratio(r['graph_auto_vs_best'])} |"
         )
     return "\n".join(head + rows) + "\n"
 
@@ -288,13 +386,20 @@ def main(argv=None):
         print(f"checked T={num_tokens} E={num_experts} K={topk}: every method matches the torch plan", flush=True)
 
     records = []
+    not_captured = {}
     for num_tokens, num_experts, topk in todo:
         topk_ids = random_topk_ids(num_tokens, num_experts, topk, args.device, generator)
         runners = make_runners(topk_ids, num_experts, build_routing_plan, megatron_fn)
         heavy = num_tokens * num_experts >= 2**25
         stats = {name: time_ms(fn, args.device, heavy) for name, fn in runners.items()}
+        if args.device == "cuda":
+            graph_stats = graph_times(runners, heavy, not_captured)
+        else:
+            graph_stats = dict.fromkeys(runners)  # no CUDA graphs on the CPU
         median = {name: s[0] for name, s in stats.items()}
-        best = min(median["three_step"], median["sort"], median["argsort"])
+        graph = {name: s and s[0] for name, s in graph_stats.items()}
+        speedup, auto_vs_best = ratios(median)
+        graph_speedup, graph_auto_vs_best = ratios(graph)
         record = {
             "tokens": num_tokens,
             "experts": num_experts,
@@ -303,14 +408,19 @@ def main(argv=None):
             "median_ms": median,
             "p20_ms": {name: s[1] for name, s in stats.items()},
             "p80_ms": {name: s[2] for name, s in stats.items()},
-            "speedup_three_step_vs_argsort": median["argsort"] / median["three_step"],
-            "auto_vs_best": median["auto"] / best,
+            "graph_ms": graph,
+            "graph_p20_ms": {name: s and s[1] for name, s in graph_stats.items()},
+            "graph_p80_ms": {name: s and s[2] for name, s in graph_stats.items()},
+            "speedup_three_step_vs_argsort": speedup,
+            "auto_vs_best": auto_vs_best,
+            "graph_speedup_three_step_vs_argsort": graph_speedup,
+            "graph_auto_vs_best": graph_auto_vs_best,
         }
         records.append(record)
         print(
             f"T={num_tokens:>8} E={num_experts:>4} K={topk}: "
-            + " ".join(f"{name}={median[name]:.3f}" for name in METHODS)
-            + f" ms  [{time.perf_counter() - started:.0f} s]",
+            + " ".join(f"{name}={median[name]:.3f}/{_ms(graph[name])}" for name in METHODS)
+            + f" ms eager/graph  [{time.perf_counter() - started:.0f} s]",
             flush=True,
         )
         del topk_ids, runners
@@ -318,7 +428,10 @@ def main(argv=None):
     summary = summarize(records)
     table = markdown(env, records, summary)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**env, "sweep": sweep, "summary": summary, "records": records}, indent=1) + "\n")
+    for name, reason in not_captured.items():
+        print(f"{name}: no CUDA graph ({reason})")
+    result = {**env, "sweep": sweep, "summary": summary, "graph_not_captured": not_captured, "records": records}
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
     md_path = args.out.with_suffix(".md")
     md_path.write_text(table)
     print(f"wrote {args.out} and {md_path} ({time.perf_counter() - started:.0f} s)\n")

@@ -220,6 +220,20 @@ def gpt_batch(gpt, device, seed_value):
 # Step time
 
 
+def measure_layer(layer, x, device, warmup, reps):
+    """measure() of one forward+backward of a Megatron MoE layer on a fresh leaf copy of ``x``."""
+    xx = x.clone().requires_grad_()
+
+    def step():
+        for p in layer.parameters():
+            p.grad = None
+        xx.grad = None
+        out, _ = layer(xx)
+        out.backward(torch.ones_like(out))
+
+    return measure(step, [*layer.parameters(), xx], device, warmup, reps)
+
+
 def measure(step, params, device, warmup, reps):
     """(median ms, peak MiB above the memory allocated before the step) of ``step()``, which
     starts by dropping the gradients of ``params``."""
@@ -265,19 +279,10 @@ def time_layer(name, shape, tokens, device, warmup, reps):
 
             set_moeblaze_config(config, MoEBlazeConfig(recompute=recompute))
         layer = build_layer(config, device)
-        xx = x.clone().requires_grad_()
-
-        def step():
-            for p in layer.parameters():
-                p.grad = None
-            xx.grad = None
-            out, _ = layer(xx)
-            out.backward(torch.ones_like(out))
-
-        ms, peak = measure(step, [*layer.parameters(), xx], device, warmup, reps)
+        ms, peak = measure_layer(layer, x, device, warmup, reps)
         rows.append({"what": f"layer {name} T={tokens}", "impl": label, "ms": ms, "peak_MiB": peak,
                      "TFLOP/s": 18 * tokens * K * d * h / (ms * 1e-3) / 1e12})
-        del layer, xx
+        del layer
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows

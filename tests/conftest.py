@@ -117,7 +117,7 @@ def make_topk_ids(kind: str, num_tokens: int, num_experts: int, topk: int, gener
 
 
 # (case id, kind, T, E, K). Sizes are chosen against the three-step build's tiles (512 tokens,
-# 16 experts, a 4096-entry scan block) and against 16/32/64, the usual GEMM tile sizes.
+# 16 experts) and against 16/32/64, the usual GEMM tile sizes.
 ROUTING_CASES = [
     ("random", "random", 37, 8, 2),
     ("multi_tile", "random", 1100, 40, 4),  # 3 token tiles x 3 expert blocks, ragged in both
@@ -134,8 +134,7 @@ ROUTING_CASES = [
     ("no_tokens", "random", 0, 8, 2),
     ("e255_unused", "unused", 400, 255, 2),  # the widest uint8 sort key plus the -1 key
     ("e256", "random", 300, 256, 4),  # first expert count needing 16-bit sort keys
-    # 14 tiles x 300 experts = 4200 counts, more than one scan block, and > 4096 unused slots
-    # for the tail fill.
+    # 300 experts (several expert blocks and search programs), > 4096 unused slots for the tail.
     ("scan_carry", "unused", 7000, 300, 2),
 ]
 ROUTING_CASE_IDS = [case[0] for case in ROUTING_CASES]

@@ -11,22 +11,32 @@ from conftest import (
     ROUTING_CASE_IDS,
     assert_plan_invariants,
     assert_plans_identical,
+    drop_slots,
     expected_plan,
     make_routing_case,
     make_topk_ids,
+    random_topk_ids,
     three_step_available,
 )
 
 from moeblaze_megatron import RoutingPlan, build_routing_plan
+from moeblaze_megatron.routing import choose_routing_method, gpu_routing_method
 
 # "three_step_multi" is the three-step build forced onto its three-launch path, which it takes
 # only past ONE_LAUNCH_MAX_TOKENS tokens or ONE_LAUNCH_MAX_EXPERTS experts otherwise.
 METHODS = ["torch", "sort", "three_step", "three_step_multi", "auto"]
 
 
+def assert_matches_definition(plan, topk_ids, num_experts, label=""):
+    want = expected_plan(topk_ids.cpu(), num_experts)
+    for name in PLAN_FIELDS:
+        assert getattr(plan, name).tolist() == want[name], f"{label} {name} differs from the definition"
+
+
 def build(topk_ids, num_experts, method, **kwargs):
-    if method.startswith("three_step") and isinstance(topk_ids, torch.Tensor) and not three_step_available(topk_ids.device):
-        pytest.skip("three_step needs CUDA tensors or TRITON_INTERPRET=1")
+    triton_method = method == "sort" or method.startswith("three_step")
+    if triton_method and isinstance(topk_ids, torch.Tensor) and not three_step_available(topk_ids.device):
+        pytest.skip(f"{method} needs CUDA tensors or TRITON_INTERPRET=1")
     if method != "three_step_multi":
         return build_routing_plan(topk_ids, num_experts, method=method, **kwargs)
     from moeblaze_megatron.kernels import routing as kernels
@@ -47,10 +57,83 @@ def test_plan_matches_definition(method, case_id):
     plan = build(topk_ids, num_experts, method)
     assert isinstance(plan, RoutingPlan)
     assert_plan_invariants(plan, topk_ids, num_experts)
-    want = expected_plan(topk_ids.cpu(), num_experts)
-    for name in PLAN_FIELDS:
-        assert getattr(plan, name).tolist() == want[name], f"{method}: {name} differs from the definition"
+    assert_matches_definition(plan, topk_ids, num_experts, method)
     assert_plans_identical(plan, build_routing_plan(topk_ids, num_experts, method="torch"), method)
+
+
+# The three-launch path with many token tiles per expert (a tile holds 8192 cells: 512 tokens x 16
+# experts, 1024 x 8 for E <= 8, up to 4096 x 2 for E <= 2), past ONE_LAUNCH_MAX_TOKENS so that
+# "three_step" takes it too. (case id, kind, T, E, K)
+MANY_TILE_CASES = [
+    ("e6_unused", "unused", 20000, 6, 2),  # 20 tiles of 1024 tokens; the -1 tail spans many tiles
+    ("e72_empty_experts", "empty_experts", 9000, 72, 3),  # 18 tiles x 5 expert blocks, E > 64
+    ("e1_unused", "unused", 12000, 1, 1),  # 3 tiles of 4096 tokens, one expert
+    ("all_on_one_expert_k1", "one_expert", 10000, 24, 1),
+    ("k_equals_e", "random", 9000, 4, 4),
+    ("all_unused", "all_unused", 9000, 5, 2),
+]
+
+
+@pytest.mark.parametrize("small_blocks", [False, True], ids=["blocks", "small_blocks"])
+@pytest.mark.parametrize("case", MANY_TILE_CASES, ids=[c[0] for c in MANY_TILE_CASES])
+def test_three_step_many_tiles(case, small_blocks, monkeypatch):
+    """Per-expert tile scans and the expert offsets each scatter program sums itself; with
+    ``small_blocks`` both loop over several blocks (4 tile counts, 16 expert totals at a time)."""
+    _, kind, num_tokens, num_experts, topk = case
+    topk_ids = make_topk_ids(kind, num_tokens, num_experts, topk, torch.Generator().manual_seed(5)).to(DEVICE)
+    if small_blocks:
+        from moeblaze_megatron.kernels import routing as kernels
+
+        monkeypatch.setattr(kernels, "SCAN_BLOCK", 4)
+        monkeypatch.setattr(kernels, "TOTALS_BLOCK", 16)
+    plan = build(topk_ids, num_experts, "three_step")
+    assert_plan_invariants(plan, topk_ids, num_experts)
+    assert_matches_definition(plan, topk_ids, num_experts)
+
+
+@pytest.mark.parametrize("fanout", [2, 4])
+@pytest.mark.parametrize("case_id", ROUTING_CASE_IDS)
+def test_sort_kernel_small_blocks(case_id, fanout, monkeypatch):
+    """The sort path's plan kernel with blocks small enough that every case spans many programs:
+    32 sorted positions per scatter program, 4 experts per search program, and a 2- or 4-way
+    search (31 or 16 levels)."""
+    from moeblaze_megatron.kernels import sort_plan
+
+    monkeypatch.setattr(sort_plan, "BLOCK", 32)
+    monkeypatch.setattr(sort_plan, "SEARCH_BLOCK_E", 4)
+    monkeypatch.setattr(sort_plan, "FANOUT", fanout)
+    topk_ids, num_experts = make_routing_case(case_id, seed=4)
+    topk_ids = topk_ids.to(DEVICE)
+    plan = build(topk_ids, num_experts, "sort")
+    assert_matches_definition(plan, topk_ids, num_experts)
+
+
+# The sort's key type follows E (uint8 up to 255 experts, int16 up to 32767, int32 past it) and the
+# unused slot's key is the type's largest value, made by masking the ids in their own type; ids
+# narrower than the key are widened first. (E, id dtype): E at each key type's edges, ids of every
+# width that can name some of its experts; the expert pool holds the largest id the dtype allows.
+KEY_WIDTH_CASES = [
+    (E, dtype)
+    for E in (255, 256, 32767, 32768)
+    for dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+]
+
+
+@pytest.mark.parametrize(
+    "num_experts,dtype", KEY_WIDTH_CASES, ids=[f"e{e}-{str(d).split('.')[1]}" for e, d in KEY_WIDTH_CASES]
+)
+def test_sort_key_widths(num_experts, dtype, generator, monkeypatch):
+    from moeblaze_megatron.kernels import sort_plan
+
+    monkeypatch.setattr(sort_plan, "SEARCH_BLOCK_E", 2048)  # fewer interpreted search programs
+    top = min(num_experts, torch.iinfo(dtype).max + 1) - 1
+    pool = sorted({0, 1, top // 2, top - 1, top})
+    topk_ids = random_topk_ids(300, num_experts, 3, generator, experts=pool)
+    if dtype != torch.uint8:  # uint8 cannot hold -1
+        topk_ids = drop_slots(topk_ids, 0.2, generator)
+    topk_ids = topk_ids.to(device=DEVICE, dtype=dtype)
+    plan = build(topk_ids, num_experts, "sort")
+    assert_matches_definition(plan, topk_ids, num_experts)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16])
@@ -161,6 +244,38 @@ def test_three_step_topk_limit(generator):
     with pytest.raises(ValueError, match=r"topk <= 126.*method='sort'"):
         build(topk_ids, 130, "three_step")
     assert_plan_invariants(build_routing_plan(topk_ids, 130), topk_ids, 130)
+
+
+M = 2**20
+# (T, E, K, what auto runs on the GPU): the three-step build while T*E <= 2^25 or E <= 4K, and
+# K <= 126; the sort otherwise.
+AUTO_CASES = [
+    (4096, 8, 2, "three_step"),
+    (0, 8, 2, "three_step"),
+    (262144, 128, 1, "three_step"),  # 2^25 cells: the edge
+    (262144 + 1, 128, 1, "sort"),
+    (262144, 512, 1, "sort"),
+    (M, 32, 1, "three_step"),  # 2^25 cells
+    (M, 64, 1, "sort"),
+    (M, 32, 8, "three_step"),
+    (M, 64, 8, "sort"),  # E > 4K
+    (M, 128, 8, "sort"),
+    (4 * M, 32, 8, "three_step"),  # E <= 4K at any T
+    (4 * M, 16, 4, "three_step"),
+    (4 * M, 17, 4, "sort"),
+    (8 * M, 8, 1, "sort"),
+    (3, 130, 127, "sort"),  # past the three-step build's MAX_TOPK
+    (3, 512, 126, "three_step"),
+]
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,topk,want", AUTO_CASES)
+def test_auto_rule_on_the_gpu(num_tokens, num_experts, topk, want):
+    assert gpu_routing_method(num_tokens, num_experts, topk) == want
+
+
+def test_auto_runs_the_torch_path_on_the_cpu(generator):
+    assert choose_routing_method(make_topk_ids("random", 4, 8, 2, generator), 8) == "torch"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: a 2**31-cell dense map")

@@ -73,25 +73,30 @@ def _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl
 def _row_gemm_configs():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4)]
+    # From scripts/tune_kernels.py on the H200 (2026-11-29, benchmarks/results/2026-11-29-tune):
+    # 128x256 tiles won every plain GEMM (fc2, dX: 650-690 TFLOP/s on conf4 and qwen3), 128x128
+    # the epilogues capped at 128 columns; 4-warp and 64-row tiles never won at these sizes.
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
         for bm, bn, bk, w, s in (
-            (128, 128, 64, 8, 4),
+            (128, 256, 64, 8, 4),
             (128, 256, 64, 8, 3),
-            (128, 64, 64, 4, 4),
+            (128, 128, 64, 8, 4),
+            (128, 128, 64, 8, 3),
+            (128, 64, 64, 8, 4),
             (64, 128, 64, 4, 4),
-            (64, 64, 64, 4, 4),
         )
     ]
 
 
 def _prune_row_gemm(configs, named_args, **kwargs):
-    # The gated activation keeps two accumulators: cap their combined width at 256 columns.
+    # Epilogues that hold two tiles per output (SwiGLU forward: gate and up accumulators; every
+    # activation backward: the saved pre-activations next to dH) spill past 128 columns.
     # (Triton passes the constexprs in kwargs, the other arguments in named_args.)
     args = {**named_args, **kwargs}
-    glu = args["ACT"] == ACT_SWIGLU and args["EPILOGUE"] != EPI_STORE
-    keep = [c for c in configs if not (glu and c.kwargs["BLOCK_N"] > 128)]
-    return keep or configs[:1]
+    wide_epilogue = args["EPILOGUE"] == EPI_ACT_BWD or (args["ACT"] == ACT_SWIGLU and args["EPILOGUE"] == EPI_ACT_FWD)
+    keep = [c for c in configs if not (wide_epilogue and c.kwargs["BLOCK_N"] > 128)]
+    return keep or configs[-1:]
 
 
 @triton.autotune(
@@ -179,34 +184,56 @@ def _row_gemm_kernel(
                 h = _act(gate.to(tl.float32), ACT)
             tl.store(c_ptrs, to_storage(h, out_dtype, MEND_BF16), mask=mask)
         else:
+            # The epilogue runs on two column halves one after the other: the whole tile's saved
+            # pre-activations and their products at once would spill next to the accumulator.
             p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-            g = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
-            if GLU:
-                up = tl.load(pre_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-                sig, silu = _silu_parts(g)
-                h = silu * up
-                dh = acc * p[:, None]
-                d_gate = dh * up * sig * (1.0 + g * (1.0 - sig))
-                tl.store(pre_ptrs, to_storage(d_gate, out_dtype, MEND_BF16), mask=mask)
-                tl.store(pre_ptrs + N, to_storage(dh * silu, out_dtype, MEND_BF16), mask=mask)
-            else:
-                h = _act(g, ACT)
-                tl.store(pre_ptrs, to_storage(acc * p[:, None] * _act_grad(g, ACT), out_dtype, MEND_BF16), mask=mask)
-            tl.store(c_ptrs, to_storage(h * p[:, None], out_dtype, MEND_BF16), mask=mask)
-            ds = tl.sum(tl.where(mask, acc * h, 0.0), axis=1)
+            acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            half = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            ds = _act_bwd_cols(acc_lo, p, r64, row_ok, half, N, c_ptr, pre_ptr, stride_cm, stride_pm,
+                               ACT, GLU, MEND_BF16)
+            ds += _act_bwd_cols(acc_hi, p, r64, row_ok, half + BLOCK_N // 2, N, c_ptr, pre_ptr, stride_cm,
+                                stride_pm, ACT, GLU, MEND_BF16)
             tl.store(ds_ptr + r64 * stride_dsm + pid_n, ds, mask=row_ok)
+
+
+@triton.jit
+def _act_bwd_cols(acc, p, r64, row_ok, cols, N, c_ptr, pre_ptr, stride_cm, stride_pm,
+                  ACT: tl.constexpr, GLU: tl.constexpr, MEND_BF16: tl.constexpr):
+    """The activation backward on some columns of dH = acc (unscaled): d pre over pre (for SwiGLU
+    d gate, and d up N columns further), p * act(pre) into c; returns the rows' partial <dH, h>."""
+    out_dtype = c_ptr.dtype.element_ty
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    pre_ptrs = pre_ptr + r64[:, None] * stride_pm + cols[None, :]
+    g = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
+    dh = acc * p[:, None]
+    if GLU:
+        up = tl.load(pre_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+        sig, silu = _silu_parts(g)
+        h = silu * up
+        tl.store(pre_ptrs + N, to_storage(dh * silu, out_dtype, MEND_BF16), mask=mask)
+        d_pre = dh * up * sig * (1.0 + g * (1.0 - sig))
+    else:
+        h = _act(g, ACT)
+        d_pre = dh * _act_grad(g, ACT)
+    tl.store(pre_ptrs, to_storage(d_pre, out_dtype, MEND_BF16), mask=mask)
+    tl.store(c_ptr + r64[:, None] * stride_cm + cols[None, :], to_storage(h * p[:, None], out_dtype, MEND_BF16),
+             mask=mask)
+    return tl.sum(tl.where(mask, acc * h, 0.0), axis=1)
 
 
 def _weight_grad_configs():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4)]
+    # The row ids are loaded inside the loop and take a pipeline stage of their own, so these
+    # need one stage more than the row GEMM for the same depth (5 stages: 3 buffers).
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
         for bm, bn, bk, w, s in (
+            (256, 128, 64, 8, 5),
+            (128, 256, 64, 8, 5),
+            (128, 128, 64, 8, 6),
+            (128, 128, 32, 8, 6),
             (128, 128, 64, 8, 4),
-            (128, 256, 64, 8, 3),
-            (128, 128, 32, 8, 4),
-            (64, 128, 64, 4, 4),
         )
     ]
 
@@ -255,8 +282,19 @@ def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def _launch(kernel, grid, args, constexprs, config):
+    """Launch through the autotuner, or with one fixed ``triton.Config`` (scripts/tune_kernels.py
+    times configs one by one this way)."""
+    if config is None:
+        kernel[grid](*args, **constexprs)
+    else:
+        kernel.fn[grid](*args, **constexprs, **config.kwargs, num_warps=config.num_warps,
+                        num_stages=config.num_stages)
+
+
 def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, activation="swiglu",
-             gather_a=True, pre=None, store_pre=True, probs_sorted=None, ds_partial=None, n=None):
+             gather_a=True, pre=None, store_pre=True, probs_sorted=None, ds_partial=None, n=None,
+             config=None):
     """Launch ``_row_gemm_kernel`` over ``n`` output columns; ``weight`` is [E, out, in]
     (``transpose_weight``: multiply by its transpose, as nn.Linear does) or [E, in, out].
     ``ds_partial`` (activation backward) must be zeroed and ``row_gemm_ds_tiles(n)`` wide."""
@@ -269,7 +307,7 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
         stride_bk, stride_bn = weight.stride(1), weight.stride(2)
     mend, precision = dot_flags(a.dtype)
     grid = lambda meta: ((triton.cdiv(rows_total, meta["BLOCK_M"]) + num_experts) * triton.cdiv(n, meta["BLOCK_N"]),)
-    _row_gemm_kernel[grid](
+    args = (
         a, weight, out, pre if pre is not None else out,
         probs_sorted if probs_sorted is not None else out,
         ds_partial if ds_partial is not None else out,
@@ -278,9 +316,12 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
         a.stride(0), a.stride(1), weight.stride(0), stride_bk, stride_bn,
         out.stride(0), pre.stride(0) if pre is not None else 0,
         ds_partial.stride(0) if ds_partial is not None else 0,
+    )
+    constexprs = dict(
         EPILOGUE=epilogue, ACT=ACTIVATION_IDS[activation], GATHER_A=gather_a, STORE_PRE=store_pre,
         MEND_BF16=mend, PRECISION=precision, E_POW2=max(_next_pow2(num_experts + 1), 16),
     )
+    _launch(_row_gemm_kernel, grid, args, constexprs, config)
 
 
 def row_gemm_ds_tiles(n: int) -> int:
@@ -289,16 +330,17 @@ def row_gemm_ds_tiles(n: int) -> int:
     return triton.cdiv(n, smallest)
 
 
-def weight_grad(a, b, out, plan, *, gather_a, gather_b):
+def weight_grad(a, b, out, plan, *, gather_a, gather_b, config=None):
     """out[e] = A[rows(e)]^T @ B[rows(e)] for every expert; out is [E, M, N]."""
     m_dim, n_dim = a.shape[1], b.shape[1]
     num_experts = plan.num_experts
     mend, precision = dot_flags(a.dtype)
     rows_total = plan.expert_token_indices.shape[0]
     grid = lambda meta: (triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]), num_experts)
-    _weight_grad_kernel[grid](
+    args = (
         a, b, out, plan.expert_token_indices, plan.expert_token_offsets,
         _next_pow2(rows_total), m_dim, n_dim, num_experts,
         a.stride(0), b.stride(0), out.stride(0), out.stride(1),
-        GATHER_A=gather_a, GATHER_B=gather_b, MEND_BF16=mend, PRECISION=precision,
     )
+    constexprs = dict(GATHER_A=gather_a, GATHER_B=gather_b, MEND_BF16=mend, PRECISION=precision)
+    _launch(_weight_grad_kernel, grid, args, constexprs, config)

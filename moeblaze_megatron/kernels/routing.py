@@ -3,12 +3,28 @@
 (a) ``_dense_map_kernel``: one program per (token tile, expert block) writes every cell of a dense
     expert-major map ``dense[e, t] = k + 1`` (0: token t did not choose e) exactly once, and the
     number of marked cells of each expert in its tile.
-(b) ``_tile_offsets_kernel``: an exclusive prefix sum over those counts, expert-major, gives the
-    first slot of each (expert, tile) pair; the first tile of each expert gives its offset.
-(c) ``_scatter_kernel``: a scan inside each (expert, tile) row ranks the marked cells; each then
-    writes its token id and its slot, once. No atomics, so the plan is deterministic.
-Unused slots (id -1) are marked -1 by step (a); step (b) fills the unused tail of
-``expert_token_indices`` with -1.
+(b) ``_tile_offsets_kernel``: one program per expert turns that expert's tile counts into
+    exclusive prefix sums (the first slot of each tile, counted from the expert's own start) and
+    its total.
+(c) ``_scatter_kernel``: each program adds its experts' start, an exclusive prefix sum over the E
+    totals that it computes itself, then a scan inside each (expert, tile) row ranks the marked
+    cells; each writes its token id and its slot, once. No atomics, so the plan is deterministic.
+Unused slots (id -1) are marked -1 by step (a). Step (c) also writes ``expert_token_offsets``
+(from the programs of the first tile) and fills the unused tail of ``expert_token_indices`` with -1:
+each program of the first expert block fills the part of the tail that lies in its tile's slots.
+
+Why step (b) is split this way: one prefix sum over all E * num_tiles counts must run in a single
+program (programs have no barrier without atomics), and that program's sequential pass over 128K
+counts (T = 1M, E = 64) made the build 0.43 ms on the H200 against 0.11 ms at E = 8, no faster
+than an argsort. The scan over tiles is independent per expert, so it runs as E programs of
+num_tiles counts each (one 4K-wide block up to T = 2M); what still crosses experts is a prefix
+over only E totals, which every scatter program recomputes from L2 for less than a fourth launch
+would cost. Likewise the -1 tail (up to T*K slots) is filled by many programs, not by one.
+
+Tiles hold BLOCK_E x BLOCK_T = 8192 cells; below 16 experts the expert block narrows to the expert
+count rounded up to a power of two (at least 2) and the token tile widens, so fewer lanes idle
+(E = 8 used half of a 16-expert block). The grid runs the expert blocks of a tile next to each
+other, so a tile's ids, read once per expert block, come from L2 after the first read.
 
 For few tokens the three launches cost more than the work, so ``_one_launch_kernel`` runs the same
 three steps in a single launch: each program owns a block of experts, counts every expert's slots
@@ -24,7 +40,12 @@ import triton.language as tl
 
 BLOCK_T = 512
 BLOCK_E = 16
+# Cells of one (expert block, token tile) program of the three-launch path.
+TILE_CELLS = BLOCK_E * BLOCK_T
+# Tile counts one step-(b) program scans at a time, and expert totals one step-(c) program sums at a
+# time (both loop past them).
 SCAN_BLOCK = 4096
+TOTALS_BLOCK = 1024
 # Up to this many tokens (and 64 experts) one launch beats three (estimated for the H200 from the
 # 2026-11-29 sweep, where the three launches took 50-100 us at 4K tokens, launch-bound).
 ONE_LAUNCH_MAX_TOKENS = 8192
@@ -34,12 +55,18 @@ MAX_TOPK = 126
 
 
 @triton.jit
+def _tile_of_program(num_eblocks):
+    """(token tile, expert block) of this program: the expert blocks of a tile are adjacent."""
+    pid = tl.program_id(0)
+    return pid // num_eblocks, pid % num_eblocks
+
+
+@triton.jit
 def _dense_map_kernel(
     topk_ids_ptr, dense_ptr, tile_counts_ptr, token_index_map_ptr, token_expert_indices_ptr,
-    T, E, num_tiles, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    T, E, num_tiles, num_eblocks, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_e = tl.program_id(1)
+    pid_t, pid_e = _tile_of_program(num_eblocks)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     t_ok = t < T
@@ -59,40 +86,53 @@ def _dense_map_kernel(
 
 
 @triton.jit
-def _tile_offsets_kernel(
-    tile_counts_ptr, tile_base_ptr, offsets_ptr, expert_token_indices_ptr, n_items, num_tiles, E,
-    num_slots, BLOCK: tl.constexpr,
-):
+def _tile_offsets_kernel(tile_counts_ptr, expert_totals_ptr, num_tiles, BLOCK: tl.constexpr):
+    """Program e: its tile counts become their exclusive prefix sums, in place; its total."""
+    row = tile_counts_ptr + tl.program_id(0).to(tl.int64) * num_tiles
     carry = tl.zeros((), dtype=tl.int32)
-    for start in range(0, n_items, BLOCK):
+    for start in range(0, num_tiles, BLOCK):
         i = start + tl.arange(0, BLOCK)
-        ok = i < n_items
-        c = tl.load(tile_counts_ptr + i, mask=ok, other=0)
-        base = carry + tl.cumsum(c, axis=0) - c
-        tl.store(tile_base_ptr + i, base, mask=ok)
-        tl.store(offsets_ptr + i // num_tiles, base, mask=ok & (i % num_tiles == 0))
+        ok = i < num_tiles
+        c = tl.load(row + i, mask=ok, other=0)
+        tl.store(row + i, carry + tl.cumsum(c, axis=0) - c, mask=ok)
         carry += tl.sum(c, axis=0)
-    tl.store(offsets_ptr + E, carry)
-    for start in range(carry, num_slots, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        tl.store(expert_token_indices_ptr + i, tl.full((BLOCK,), -1, tl.int32), mask=i < num_slots)
+    tl.store(expert_totals_ptr + tl.program_id(0), carry)
 
 
 @triton.jit
 def _scatter_kernel(
-    dense_ptr, tile_base_ptr, expert_token_indices_ptr, token_index_map_ptr,
-    token_expert_indices_ptr, T, E, num_tiles,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    dense_ptr, tile_base_ptr, expert_totals_ptr, offsets_ptr, expert_token_indices_ptr,
+    token_index_map_ptr, token_expert_indices_ptr, T, E, num_tiles, num_eblocks,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, TOTALS_BLOCK: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_e = tl.program_id(1)
+    pid_t, pid_e = _tile_of_program(num_eblocks)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    both = (e < E)[:, None] & (t < T)[None, :]
+    e_ok = e < E
+    # Slots before this block's experts, and all used slots.
+    before = tl.zeros((), dtype=tl.int32)
+    used = tl.zeros((), dtype=tl.int32)
+    for start in range(0, E, TOTALS_BLOCK):
+        i = start + tl.arange(0, TOTALS_BLOCK)
+        c = tl.load(expert_totals_ptr + i, mask=i < E, other=0)
+        before += tl.sum(tl.where(i < pid_e * BLOCK_E, c, 0), axis=0)
+        used += tl.sum(c, axis=0)
+    totals = tl.load(expert_totals_ptr + e, mask=e_ok, other=0)
+    expert_start = before + tl.cumsum(totals, axis=0) - totals
+    tl.store(offsets_ptr + e, expert_start, mask=e_ok & (pid_t == 0))
+    tl.store(offsets_ptr + E, used, mask=(pid_t == 0) & (pid_e == 0))
+    if pid_e == 0:
+        # The unused tail [used, T*K) inside this tile's slots [t0*K, (t0+BLOCK_T)*K).
+        for k in tl.static_range(K):
+            i = pid_t.to(tl.int64) * (BLOCK_T * K) + k * BLOCK_T + tl.arange(0, BLOCK_T)
+            tail = (i >= used) & (i < T * K)
+            tl.store(expert_token_indices_ptr + i, tl.full((BLOCK_T,), -1, tl.int32), mask=tail)
+
+    both = e_ok[:, None] & (t < T)[None, :]
     cell = tl.load(dense_ptr + e[:, None].to(tl.int64) * T + t[None, :], mask=both, other=0).to(tl.int32)
     marked = cell > 0
     rank = tl.cumsum(marked.to(tl.int32), axis=1)
-    base = tl.load(tile_base_ptr + e * num_tiles + pid_t, mask=e < E, other=0)
+    base = expert_start + tl.load(tile_base_ptr + e * num_tiles + pid_t, mask=e_ok, other=0)
     pos = base[:, None] + rank - 1
     tl.store(expert_token_indices_ptr + pos, (t[None, :] + 0 * e[:, None]), mask=marked)
     slot = t[None, :].to(tl.int64) * K + (cell - 1)
@@ -147,8 +187,9 @@ def _one_launch_kernel(
         run += tl.sum(marked.to(tl.int32), axis=1)
 
 
-def three_step_routing_plan(topk_ids: torch.Tensor, num_experts: int):
-    """Launch the three steps; returns the plan's four tensors (int32)."""
+def three_step_routing_plan(topk_ids: torch.Tensor, num_experts: int, one_launch: bool | None = None):
+    """Launch the three steps; returns the plan's four tensors (int32). ``one_launch``: run them
+    in the single-launch kernel (None: where the token and expert counts are small enough)."""
     num_tokens, topk = topk_ids.shape
     if topk > MAX_TOPK:
         raise ValueError(f"the three-step build supports topk <= {MAX_TOPK}, got {topk}; use method='sort'")
@@ -158,28 +199,35 @@ def three_step_routing_plan(topk_ids: torch.Tensor, num_experts: int):
     expert_token_indices = torch.empty(num_tokens * topk, dtype=torch.int32, device=device)
     token_index_map = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
     token_expert_indices = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
-    if num_tokens <= ONE_LAUNCH_MAX_TOKENS and num_experts <= ONE_LAUNCH_MAX_EXPERTS:
+    if one_launch is None:
+        one_launch = num_tokens <= ONE_LAUNCH_MAX_TOKENS and num_experts <= ONE_LAUNCH_MAX_EXPERTS
+    if one_launch:
         _one_launch_kernel[(triton.cdiv(num_experts, BLOCK_E),)](
             topk_ids, offsets, expert_token_indices, token_index_map, token_expert_indices,
             num_tokens, num_experts, K=topk, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
             BINS=triton.next_power_of_2(num_experts + 1), num_warps=8,
         )
         return expert_token_indices, offsets, token_expert_indices, token_index_map
-    num_tiles = max(triton.cdiv(num_tokens, BLOCK_T), 1)
+    # Narrow the expert block to the expert count (at least 2 rows) and widen the tile to match.
+    block_e = min(BLOCK_E, max(triton.next_power_of_2(num_experts), 2))
+    block_t = TILE_CELLS // block_e
+    num_tiles = max(triton.cdiv(num_tokens, block_t), 1)
+    num_eblocks = triton.cdiv(num_experts, block_e)
     dense = torch.empty(num_experts, num_tokens, dtype=torch.int8, device=device)
-    tile_counts = torch.empty(num_experts * num_tiles, dtype=torch.int32, device=device)
-    tile_base = torch.empty_like(tile_counts)
-    grid = (num_tiles, triton.cdiv(num_experts, BLOCK_E))
+    # Tile counts, turned into tile bases in place by step (b), then the E expert totals.
+    scratch = torch.empty(num_experts * (num_tiles + 1), dtype=torch.int32, device=device)
+    tile_counts, expert_totals = scratch[: num_experts * num_tiles], scratch[num_experts * num_tiles :]
+    grid = (num_tiles * num_eblocks,)
     _dense_map_kernel[grid](
         topk_ids, dense, tile_counts, token_index_map, token_expert_indices,
-        num_tokens, num_experts, num_tiles, K=topk, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
+        num_tokens, num_experts, num_tiles, num_eblocks, K=topk, BLOCK_T=block_t, BLOCK_E=block_e,
     )
-    _tile_offsets_kernel[(1,)](
-        tile_counts, tile_base, offsets, expert_token_indices, num_experts * num_tiles, num_tiles,
-        num_experts, num_tokens * topk, BLOCK=SCAN_BLOCK,
-    )
+    scan_block = min(SCAN_BLOCK, max(triton.next_power_of_2(num_tiles), 128))
+    _tile_offsets_kernel[(num_experts,)](tile_counts, expert_totals, num_tiles, BLOCK=scan_block)
     _scatter_kernel[grid](
-        dense, tile_base, expert_token_indices, token_index_map, token_expert_indices,
-        num_tokens, num_experts, num_tiles, K=topk, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
+        dense, tile_counts, expert_totals, offsets, expert_token_indices, token_index_map,
+        token_expert_indices, num_tokens, num_experts, num_tiles, num_eblocks, K=topk,
+        BLOCK_T=block_t, BLOCK_E=block_e,
+        TOTALS_BLOCK=min(triton.next_power_of_2(num_experts), TOTALS_BLOCK),
     )
     return expert_token_indices, offsets, token_expert_indices, token_index_map

@@ -1,0 +1,212 @@
+"""Time every expert-GEMM launch of one SwiGLU MoE layer, config by config, on the GPU.
+
+The layer's forward+backward runs six grouped GEMMs (fc1 with the activation, fc2, dH with the
+activation backward, dW2, dW1, dX). For each, this script launches the kernel with each candidate
+``triton.Config`` (bypassing the autotuner), checks the result against the autotuned launch, and
+reports ms and TFLOP/s next to a dense torch.mm of the same size measured in the same run, so a
+config list can be chosen from numbers rather than guesses.
+
+    python scripts/tune_kernels.py --shapes conf4,qwen3,7b --out /tmp/tune
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from moeblaze_megatron import build_routing_plan  # noqa: E402
+from moeblaze_megatron.kernels import expert_gemm as eg  # noqa: E402
+
+SHAPES = {  # (T, d, h, E, K), as in bench_layer.py
+    "conf3": (16 * 1024, 1024, 4096, 16, 4),
+    "conf4": (32 * 1024, 2048, 8192, 16, 4),
+    "qwen3": (32768, 2048, 768, 128, 8),
+    "7b": (24576, 1536, 256, 128, 8),
+    "dsv3": (8192, 7168, 2048, 256, 8),
+}
+ROW_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
+    (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 5),
+    (128, 128, 64, 4, 8, 4), (128, 128, 64, 16, 8, 4), (128, 128, 64, 8, 4, 4),
+    (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3),
+    (128, 64, 64, 8, 4, 4), (128, 64, 64, 8, 8, 4), (64, 128, 64, 8, 4, 4),
+    (128, 128, 128, 8, 8, 3),
+]
+WGRAD_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+    (128, 128, 64, 8, 4), (128, 128, 64, 8, 5), (128, 128, 64, 8, 6),
+    (128, 256, 64, 8, 4), (128, 256, 64, 8, 5), (256, 128, 64, 8, 4), (256, 128, 64, 8, 5),
+    (128, 128, 32, 8, 6), (64, 128, 64, 4, 5), (128, 64, 64, 4, 5), (128, 128, 128, 8, 4),
+]
+
+
+def row_config(bm, bn, bk, gm, w, s):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm}, num_warps=w, num_stages=s)
+
+
+def wgrad_config(bm, bn, bk, w, s):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+
+
+def rel_err(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def time_op(fn, reset, reps):
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps + 2):
+        reset()
+        if i >= 2:
+            starts[i - 2].record()
+        fn()
+        if i >= 2:
+            ends[i - 2].record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[reps // 2]
+
+
+def layer_ops(T, d, h, E, K, seed):
+    """The six launches of a SwiGLU layer as (name, flops, launch(config), outputs(), reset())."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    bf = torch.bfloat16
+    x = torch.randn(T, d, device=dev, dtype=bf, generator=g)
+    fc1 = torch.randn(E, 2 * h, d, device=dev, dtype=bf, generator=g) * d**-0.5
+    fc2 = torch.randn(E, d, h, device=dev, dtype=bf, generator=g) * h**-0.5
+    dy = torch.randn(T, d, device=dev, dtype=bf, generator=g)
+    ids = torch.rand(T, E, device=dev, generator=g).topk(K, dim=1).indices
+    probs = torch.rand(T, K, device=dev, generator=g).to(bf)
+    plan = build_routing_plan(ids, E)
+    rows = T * K
+    pre = x.new_empty(rows, 2 * h)
+    hid = x.new_empty(rows, h)
+    eg.row_gemm(x, fc1, hid, plan, transpose_weight=True, epilogue=eg.EPI_ACT_FWD, activation="swiglu",
+                gather_a=True, pre=pre, n=h)
+    pre_saved = pre.clone()
+    expert_out = x.new_empty(rows, d)
+    probs_sorted = plan.permute_probs(probs)
+    h_scaled = x.new_empty(rows, h)
+    ds = torch.zeros(rows, eg.row_gemm_ds_tiles(h), dtype=torch.float32, device=dev)
+    dpre = pre.clone()
+    eg.row_gemm(dy, fc2, h_scaled, plan, transpose_weight=False, epilogue=eg.EPI_ACT_BWD,
+                activation="swiglu", gather_a=True, pre=dpre, probs_sorted=probs_sorted, ds_partial=ds, n=h)
+    dw1 = torch.empty_like(fc1)
+    dw2 = torch.empty_like(fc2)
+    grad_rows = x.new_empty(rows, d)
+    nothing = lambda: None  # noqa: E731
+
+    def restore_pre():
+        pre.copy_(pre_saved)
+        ds.zero_()
+
+    gemm = 2.0 * rows * d * h
+    return plan, [
+        ("fc1_act", 2 * gemm, "row_glu",
+         lambda c: eg.row_gemm(x, fc1, hid, plan, transpose_weight=True, epilogue=eg.EPI_ACT_FWD,
+                               activation="swiglu", gather_a=True, pre=pre, n=h, config=c),
+         lambda: (hid, pre), nothing),
+        ("fc2", gemm, "row",
+         lambda c: eg.row_gemm(hid, fc2, expert_out, plan, transpose_weight=True, gather_a=False, n=d, config=c),
+         lambda: (expert_out,), nothing),
+        ("dh_act_bwd", gemm, "row_glu_bwd",
+         lambda c: eg.row_gemm(dy, fc2, h_scaled, plan, transpose_weight=False, epilogue=eg.EPI_ACT_BWD,
+                               activation="swiglu", gather_a=True, pre=pre, probs_sorted=probs_sorted,
+                               ds_partial=ds, n=h, config=c),
+         lambda: (h_scaled, pre, ds.sum(1)), restore_pre),
+        ("dw2", gemm, "wgrad",
+         lambda c: eg.weight_grad(dy, h_scaled, dw2, plan, gather_a=True, gather_b=False, config=c),
+         lambda: (dw2,), nothing),
+        ("dw1", 2 * gemm, "wgrad",
+         lambda c: eg.weight_grad(dpre, x, dw1, plan, gather_a=False, gather_b=True, config=c),
+         lambda: (dw1,), nothing),
+        ("dx", 2 * gemm, "row",
+         lambda c: eg.row_gemm(dpre, fc1, grad_rows, plan, transpose_weight=False, gather_a=False, n=d, config=c),
+         lambda: (grad_rows,), nothing),
+    ], (x, fc1, rows)
+
+
+def dense_rate(rows, d, h, reps):
+    a = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(d, 2 * h, device="cuda", dtype=torch.bfloat16)
+    ms = time_op(lambda: torch.mm(a, b), lambda: None, reps)
+    return 2.0 * rows * d * 2 * h / ms / 1e9
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="conf4,qwen3,7b")
+    ap.add_argument("--ops", default="fc1_act,fc2,dh_act_bwd,dw2,dw1,dx")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--time-limit", type=float, default=400.0, help="seconds; stops starting new shapes after")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("tune_kernels.py needs a CUDA GPU")
+    t_start = time.time()
+    records, best = [], {}
+    wanted = set(args.ops.split(","))
+    for shape in args.shapes.split(","):
+        if time.time() - t_start > args.time_limit:
+            print(f"time limit reached; skipping {shape}", flush=True)
+            continue
+        T, d, h, E, K = SHAPES[shape]
+        plan, ops, (_, _, rows) = layer_ops(T, d, h, E, K, seed=len(records) + 1)
+        peak = dense_rate(rows, d, h, args.reps)
+        print(f"== {shape} T={T} d={d} h={h} E={E} K={K}: dense bf16 mm {peak:.0f} TFLOP/s", flush=True)
+        for name, flops, kind, launch, outputs, reset in ops:
+            if name not in wanted:
+                continue
+            reset()
+            launch(None)  # the autotuned launch is the reference result
+            ref = [t.clone() for t in outputs()]
+            if kind == "wgrad":
+                candidates = [wgrad_config(*c) for c in WGRAD_CONFIGS]
+            else:  # gated epilogues keep two accumulators or two pre halves: at most 128 columns
+                candidates = [row_config(*c) for c in ROW_CONFIGS if kind == "row" or c[1] <= 128]
+            for cfg in candidates:
+                label = f"{cfg.kwargs['BLOCK_M']}x{cfg.kwargs['BLOCK_N']}x{cfg.kwargs['BLOCK_K']}" \
+                        f"/g{cfg.kwargs.get('GROUP_M', '-')}/w{cfg.num_warps}/s{cfg.num_stages}"
+                rec = dict(shape=shape, op=name, config=label, T=T, d=d, h=h, E=E, K=K, dense_tflops=peak)
+                try:
+                    # Poison what the launch must overwrite (dH's pre is its input: reset restores it).
+                    for t in outputs()[:1] if name == "dh_act_bwd" else outputs():
+                        t.fill_(float("nan"))
+                    reset()
+                    launch(cfg)
+                    err = max(rel_err(o, r) for o, r in zip(outputs(), ref))
+                    ms = time_op(lambda: launch(cfg), reset, args.reps)
+                    rec.update(ms=ms, tflops=flops / ms / 1e9, err=err, ok=err < 2e-2)
+                except Exception as exc:  # out of shared memory or registers: recorded, not fatal
+                    rec.update(ms=None, tflops=None, err=None, ok=False, error=f"{type(exc).__name__}: {str(exc)[:120]}")
+                    reset()
+                    launch(None)  # the poisoned outputs feed the next op
+
+                records.append(rec)
+                if rec["ok"] and (shape, name) not in best or rec["ok"] and rec["ms"] < best[(shape, name)]["ms"]:
+                    best[(shape, name)] = rec
+                status = f"{rec['ms']:.3f} ms {rec['tflops']:.0f} TF/s err {rec['err']:.1e}" if rec["ms"] else rec["error"]
+                print(f"  {name:10s} {label:24s} {status}", flush=True)
+        del plan, ops
+        torch.cuda.empty_cache()
+    meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=triton.__version__, command="python " + " ".join(sys.argv))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "tune_kernels.json"), "w") as f:
+            json.dump(dict(meta=meta, records=records), f, indent=1)
+    print("\nbest per op (ms, TFLOP/s, % of dense mm):")
+    for (shape, name), r in best.items():
+        print(f"{shape:6s} {name:10s} {r['config']:24s} {r['ms']:8.3f} {r['tflops']:5.0f} {100 * r['tflops'] / r['dense_tflops']:4.0f}%")
+
+
+if __name__ == "__main__":
+    main()
