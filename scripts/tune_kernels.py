@@ -191,7 +191,8 @@ def main(argv=None):
                     launch(None)  # the poisoned outputs feed the next op
 
                 records.append(rec)
-                if rec["ok"] and (shape, name) not in best or rec["ok"] and rec["ms"] < best[(shape, name)]["ms"]:
+                previous = best.get((shape, name))
+                if rec["ok"] and (previous is None or rec["ms"] < previous["ms"]):
                     best[(shape, name)] = rec
                 status = f"{rec['ms']:.3f} ms {rec['tflops']:.0f} TF/s err {rec['err']:.1e}" if rec["ms"] else rec["error"]
                 print(f"  {name:10s} {label:24s} {status}", flush=True)

@@ -73,9 +73,10 @@ def _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl
 def _row_gemm_configs():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4)]
-    # From scripts/tune_kernels.py on the H200 (2026-11-29, benchmarks/results/2026-11-29-tune):
+    # From scripts/tune_kernels.py on the H200 (2026-11-29, benchmarks/results/2026-11-29-h200-v2):
     # 128x256 tiles won every plain GEMM (fc2, dX: 650-690 TFLOP/s on conf4 and qwen3), 128x128
-    # the epilogues capped at 128 columns; 4-warp and 64-row tiles never won at these sizes.
+    # the epilogues capped at 128 columns; 4-warp and 64-row tiles never won on those shapes, one
+    # is kept for experts with few rows.
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
         for bm, bn, bk, w, s in (
