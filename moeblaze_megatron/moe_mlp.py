@@ -24,6 +24,7 @@ def moe_mlp(
     *,
     recompute: str = "activation",
     backend: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
     """``y[t] = sum_k topk_probs[t, k] * fc2[e] @ act(fc1[e] @ x[t])`` with ``e = topk_ids[t, k]``.
 
@@ -39,12 +40,16 @@ def moe_mlp(
     ``backend``: ``"triton"`` (fused kernels for float16, bfloat16 and float32; CUDA, or CPU
     under TRITON_INTERPRET=1), ``"reference"`` (pure PyTorch, any floating dtype) or ``"auto"``
     (Triton on CUDA for those dtypes, the reference otherwise).
+    ``validate``: with no ``plan``, check that the ids are in range and distinct per row (one
+    device-to-host synchronization); ``False`` skips it, as the Megatron dispatcher does with
+    the router's top-k ids (invalid ids then give undefined results).
     """
     num_experts = check_moe_mlp_args(
-        x, topk_ids, topk_probs, fc1_weight, fc2_weight, activation, plan, recompute, backend
+        x, topk_ids, topk_probs, fc1_weight, fc2_weight, activation, plan, recompute, backend, validate
     )
     if plan is None:
-        plan = build_routing_plan(topk_ids, num_experts)
+        # The ids were checked above (one synchronization); not a second time.
+        plan = build_routing_plan(topk_ids, num_experts, validate=False)
     if x.shape[0] == 0:
         # Nothing routed; keep the graph connected so every input still gets a (zero) gradient.
         return x * 0 + 0 * (topk_probs.sum() + fc1_weight.sum() + fc2_weight.sum()).to(x.dtype)
@@ -57,7 +62,8 @@ def moe_mlp(
     return ReferenceMoEMLP.apply(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute)
 
 
-def check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activation, plan, recompute, backend):
+def check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activation, plan, recompute, backend,
+                       validate=True):
     """Raise a clear error naming the offending argument; returns the number of experts."""
     for name, value in (("x", x), ("topk_probs", topk_probs), ("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
         if not isinstance(value, torch.Tensor):
@@ -97,7 +103,7 @@ def check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activati
                                                ("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight))}
     if len(set(devices.values())) > 1:
         raise ValueError(f"all tensors must be on one device, got {', '.join(f'{k}: {v}' for k, v in devices.items())}")
-    check_topk_ids(topk_ids, num_experts, check_values=plan is None)
+    check_topk_ids(topk_ids, num_experts, check_values=validate and plan is None)
     if topk_ids.shape[0] != num_tokens:
         raise ValueError(f"topk_ids has {topk_ids.shape[0]} rows; expected one per token of x ({num_tokens})")
     if tuple(topk_probs.shape) != tuple(topk_ids.shape):

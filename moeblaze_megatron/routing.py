@@ -28,21 +28,26 @@ __all__ = ["ROUTING_METHODS", "RoutingPlan", "build_routing_plan", "check_topk_i
 
 ROUTING_METHODS = ("auto", "three_step", "sort", "torch")
 
-# Which build "auto" runs on the GPU (H200, scripts/bench_routing.py, 2026-11-29, eager times).
-# The three-step build writes and reads a dense (E, T) int8 map: while it fits the 50 MB L2
-# (T*E <= 2^25) the build costs its launch floor (0.12-0.14 ms up to T = 262144); past that it
-# grows with T*E (T = 1M: E = 32 0.16-0.24 ms, E = 64 0.31-0.45, E = 128 0.61-0.85, E = 256
-# 1.2-1.7). The sort's cost grows with T*K whatever E is, so past 2^25 cells the three-step build
-# keeps the shapes with few experts per choice: E <= THREE_STEP_MAX_EXPERTS_PER_TOPK * K.
-# Measured with the sort's former PyTorch tail (~15 ops after the sort, ~143 bytes moved per slot):
-# T = 1M, K = 8: E = 64 three_step 0.446 ms vs sort 0.682, E = 128 0.854 vs 0.702, i.e. E <= 8K.
-# The one-kernel sort (kernels/sort_plan.py) moves ~58 bytes per slot (ids 8 and key 1 to build the
-# keys, ~27 in the one radix pass, ~22 in the plan kernel); that pass took ~0.08 ms at 8M slots (a
-# second pass, E = 512 vs 128: 0.78 vs 0.702 ms), so it should take ~0.2-0.3 ms at T = 1M, K = 8,
-# between the three-step build at E = 32 (0.24) and at E = 64 (0.446): hence E <= 4K. A prediction
-# until the next H200 run, whose auto/best columns (eager and CUDA graph) check it.
-THREE_STEP_MAX_CELLS = 2**25
-THREE_STEP_MAX_EXPERTS_PER_TOPK = 4
+# Which build "auto" runs on the GPU: the one with the lower predicted GPU time. GPU time is what the
+# build costs in training (the host enqueues ahead of the GPU). Least squares on relative error over
+# the CUDA-graph times (graph_ms) of benchmarks/results/2026-11-29-h200-v3/bench_routing.json (H200,
+# 140 shapes: T 4K-1M, E 8-512, K 1-8), in ms, with cells = T*E / 1e6 and slots = T*K / 1e6:
+#   three_step ~= 0.0147 + 0.00453 * cells + 0.00627 * slots (launch floor; the dense (E, T) int8
+#     map written and scanned; the ids read once per expert block);
+#   sort ~= 0.0282 + 0.0333 * slots (fitted on E <= 128), + 0.012 where E > 255 (16-bit keys
+#     instead of 8-bit; median of E = 256 and 512 against E = 128 at the same T and K).
+# On those 140 shapes the pick is within 5% of min(three_step, sort) on 138; worst 1.22x at T = 16K,
+# E = 32, K = 4 (its three-launch sample, 0.039 ms, is an outlier: the same path timed 0.018 ms in
+# the run's three_step column), then 1.11x at T = 64K, E = 64, K = 1 (sort 0.032 ms picked against
+# 0.028). The former rule (T*E <= 2^25 or E <= 4K) was within 5% on 108, worst 4.09x.
+THREE_STEP_BASE_MS = 0.0147
+THREE_STEP_MS_PER_M_CELLS = 0.00453
+THREE_STEP_MS_PER_M_SLOTS = 0.00627
+SORT_BASE_MS = 0.0282
+SORT_MS_PER_M_SLOTS = 0.0333
+SORT_WIDE_KEY_MS = 0.012
+# Up to this many experts the sort's keys are uint8 (kernels/sort_plan.py).
+SORT_NARROW_KEY_MAX_EXPERTS = 255
 _INDEX_LIMIT = 2**31 - 1
 
 
@@ -75,11 +80,13 @@ class RoutingPlan:
     def permute_probs(self, topk_probs: torch.Tensor) -> torch.Tensor:
         """Router probabilities [T, K] rearranged into the plan's expert order [T*K] (0 past the
         used slots)."""
-        out = torch.zeros(topk_probs.numel(), dtype=topk_probs.dtype, device=topk_probs.device)
+        slots = topk_probs.numel()
+        # Unused slots all land on one extra cell that is cut off: no boolean indexing, so no
+        # device-to-host synchronization; every kept cell has exactly one writer.
+        out = torch.zeros(slots + 1, dtype=topk_probs.dtype, device=topk_probs.device)
         pos = self.token_index_map.reshape(-1).long()
-        used = pos >= 0
-        out[pos[used]] = topk_probs.reshape(-1)[used]
-        return out
+        out.scatter_(0, torch.where(pos >= 0, pos, slots), topk_probs.reshape(-1))
+        return out[:slots]
 
     def unpermute_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Values in expert order [T*K, ...] gathered back into slot order [T, K, ...]; unused
@@ -189,15 +196,18 @@ def choose_routing_method(topk_ids: torch.Tensor, num_experts: int) -> str:
 
 
 def gpu_routing_method(num_tokens: int, num_experts: int, topk: int) -> str:
-    """The three-step build while its dense map fits L2 (THREE_STEP_MAX_CELLS) or while the experts
-    are few for the top-k (THREE_STEP_MAX_EXPERTS_PER_TOPK); the sort otherwise, and past the
-    three-step build's MAX_TOPK."""
+    """The three-step build where its predicted GPU time is at most the sort's and topk is within
+    its MAX_TOPK; the sort otherwise (cost model above)."""
     from .kernels.routing import MAX_TOPK
 
-    few_experts = num_experts <= THREE_STEP_MAX_EXPERTS_PER_TOPK * topk
-    if topk <= MAX_TOPK and (num_tokens * num_experts <= THREE_STEP_MAX_CELLS or few_experts):
-        return "three_step"
-    return "sort"
+    if topk > MAX_TOPK:
+        return "sort"
+    cells, slots = num_tokens * num_experts / 1e6, num_tokens * topk / 1e6
+    three_step = THREE_STEP_BASE_MS + THREE_STEP_MS_PER_M_CELLS * cells + THREE_STEP_MS_PER_M_SLOTS * slots
+    sort = SORT_BASE_MS + SORT_MS_PER_M_SLOTS * slots
+    if num_experts > SORT_NARROW_KEY_MAX_EXPERTS:
+        sort += SORT_WIDE_KEY_MS
+    return "three_step" if three_step <= sort else "sort"
 
 
 def torch_routing_plan(topk_ids: torch.Tensor, num_experts: int) -> RoutingPlan:

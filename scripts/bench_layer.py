@@ -20,6 +20,7 @@ import datetime
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -96,7 +97,9 @@ class MoEBlaze(Impl):
         return [self.fc1, self.fc2]
 
     def __call__(self, x, ids, probs):
-        return moe_mlp(x, ids, probs, self.fc1, self.fc2, self.activation, recompute=self.recompute)
+        # The ids come from a top-k, as in Megatron, whose dispatcher skips the id check (and its
+        # host synchronization) the same way; no peer checks them either.
+        return moe_mlp(x, ids, probs, self.fc1, self.fc2, self.activation, recompute=self.recompute, validate=False)
 
 
 class MoEBlazeFc1(MoEBlaze):
@@ -347,25 +350,28 @@ def check_impl(cls, T, d, h, E, K, activation, dtype, device, seed):
 
 
 def cuda_time(fn, warmup, reps):
+    """Median ms between CUDA events around ``fn``, and the median host ms ``fn`` took to return
+    (its launches; past the GPU time the host, not the GPU, sets the pace)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
+    times, host = [], []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         fn()
+        host.append(1e3 * (time.perf_counter() - t0))
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    return statistics.median(times), statistics.median(host)
 
 
 def matmul_peak(device, n=8192, reps=20):
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = cuda_time(lambda: a @ b, 5, reps)
+    ms = cuda_time(lambda: a @ b, 5, reps)[0]
     return 2 * n**3 / ms / 1e9
 
 
@@ -394,8 +400,8 @@ def measure(cls, T, d, h, E, K, activation, dtype, device, seed, reps):
             t.grad = None
         impl(xi, ids, pi).backward(gy)
 
-    ms_fwd = cuda_time(fwd, 2, reps)
-    ms_fwdbwd = cuda_time(fwdbwd, 2, reps)
+    ms_fwd = cuda_time(fwd, 2, reps)[0]
+    ms_fwdbwd, host_ms_fwdbwd = cuda_time(fwdbwd, 2, reps)
     # Peak above inputs, weights and their gradients: the gradients' own bytes are taken out.
     for t in leaves:
         t.grad = None
@@ -408,26 +414,84 @@ def measure(cls, T, d, h, E, K, activation, dtype, device, seed, reps):
     grad_bytes = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
     peak = torch.cuda.max_memory_allocated() - base - grad_bytes
     del y, impl, params, xi, pi
-    return dict(ms_fwd=ms_fwd, ms_fwdbwd=ms_fwdbwd, saved_bytes=nbytes, peak_bytes=peak,
+    return dict(ms_fwd=ms_fwd, ms_fwdbwd=ms_fwdbwd, host_ms_fwdbwd=host_ms_fwdbwd, saved_bytes=nbytes, peak_bytes=peak,
                 first_call_s=first_call_s)
 
 
-def profile_kernels(cls, T, d, h, E, K, activation, dtype, device):
-    """CUDA ms per kernel name for one forward+backward (after warm-up)."""
+def profile_kernels(cls, T, d, h, E, K, activation, dtype, device, iters=3):
+    """CUDA ms per kernel name per forward+backward (after warm-up, gradients set to None as in
+    the timed loop), and the timeline of the last one: its span from the first kernel's start to
+    the last one's end, the time no kernel ran, and the longest idle gaps with their neighbours
+    (host launch overhead and synchronizations show there)."""
     x, ids, probs, fc1, fc2 = make_inputs(T, d, h, E, K, activation, dtype, device, 3)
     impl = cls(fc1, fc2, activation, E, K)
     xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
     gy = torch.randn_like(x)
-    impl(xi, ids, pi).backward(gy)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    leaves = impl.params() + [xi, pi]
+
+    def step():
+        for t in leaves:
+            t.grad = None
         impl(xi, ids, pi).backward(gy)
         torch.cuda.synchronize()
+
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+    kernels = sorted(
+        ((ev.time_range.start, ev.time_range.end, ev.name[:40]) for ev in prof.events()
+         if ev.device_type == torch.autograd.DeviceType.CUDA),
+    )
     totals = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            totals[ev.name[:40]] = totals.get(ev.name[:40], 0.0) + ev.device_time / 1e3
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:12])
+    for start, end, name in kernels:
+        totals[name] = totals.get(name, 0.0) + (end - start) / 1e3 / iters
+    # The last iteration (every iteration launches the same kernels).
+    per_iter = len(kernels) // iters
+    last = kernels[-per_iter:] if per_iter else []
+    gaps = []
+    busy_end = last[0][1] if last else 0
+    for prev, cur in zip(last, last[1:]):
+        busy_end = max(busy_end, prev[1])
+        if cur[0] > busy_end:
+            gaps.append((cur[0] - busy_end, prev[2], cur[2]))
+    idle = sum(g[0] for g in gaps) / 1e3
+    span = (max(k[1] for k in last) - last[0][0]) / 1e3 if last else 0.0
+    return dict(
+        kernels=dict(sorted(totals.items(), key=lambda kv: -kv[1])[:12]),
+        span_ms=span, idle_ms=idle, launches=per_iter,
+        gaps=[f"{g / 1e3:.3f} ms: {a} -> {b}" for g, a, b in sorted(gaps, reverse=True)[:6]],
+    )
+
+
+def host_profile(cls, T, d, h, E, K, activation, dtype, device, iters=20, top=14):
+    """Where the host's time goes in forward+backward (cProfile over ``iters`` steps): the
+    functions with the most own time, as "ms per step  calls per step  name"."""
+    import cProfile
+    import pstats
+
+    x, ids, probs, fc1, fc2 = make_inputs(T, d, h, E, K, activation, dtype, device, 3)
+    impl = cls(fc1, fc2, activation, E, K)
+    xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    gy = torch.randn_like(x)
+    leaves = impl.params() + [xi, pi]
+
+    def steps(n):
+        for _ in range(n):
+            for t in leaves:
+                t.grad = None
+            impl(xi, ids, pi).backward(gy)
+        torch.cuda.synchronize()
+
+    steps(2)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    steps(iters)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(((tt, nc, f"{os.path.basename(fn)}:{line}({name})") for (fn, line, name), (_, nc, tt, _, _) in stats.items()),
+                  reverse=True)[:top]
+    return [f"{1e3 * tt / iters:.3f} ms  {nc / iters:.0f}x  {name}" for tt, nc, name in rows]
 
 
 def tensor_core_report():
@@ -460,7 +524,7 @@ def main(argv=None):
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--tag", default="bench_layer")
-    parser.add_argument("--profile", action="store_true", help="print moeblaze's per-kernel CUDA time")
+    parser.add_argument("--profile", action="store_true", help="profile moeblaze: CUDA time per kernel, idle gaps between kernels")
     parser.add_argument("--report-only", metavar="JSON", help="rewrite the markdown table and the charts of a saved run")
     args = parser.parse_args(argv)
     if args.report_only:
@@ -530,10 +594,16 @@ def main(argv=None):
                     json.dump(dict(meta=meta, notes=notes, records=records), f, indent=1)
                 torch.cuda.empty_cache()
                 if args.profile and name.startswith("moeblaze") and "error" not in rec:
-                    rec["kernels"] = profile_kernels(cls, T, d, h, E, K, act, dtype, device)
-                    print("   " + "  ".join(f"{k}={v:.2f}" for k, v in rec["kernels"].items()), flush=True)
+                    rec["profile"] = profile_kernels(cls, T, d, h, E, K, act, dtype, device)
+                    prof = rec["profile"]
+                    print("   " + "  ".join(f"{k}={v:.2f}" for k, v in prof["kernels"].items()), flush=True)
+                    print(f"   timeline: {prof['launches']} kernels, span {prof['span_ms']:.2f} ms, idle "
+                          f"{prof['idle_ms']:.2f} ms; longest gaps: {prof['gaps']}", flush=True)
+                    prof["host"] = host_profile(cls, T, d, h, E, K, act, dtype, device)
+                    print("   host, own time per step:\n     " + "\n     ".join(prof["host"]), flush=True)
                 status = rec.get("error") or (
-                    f"fwd {rec['ms_fwd']:.2f} ms  fwd+bwd {rec['ms_fwdbwd']:.2f} ms  {rec['tflops']:.0f} TF/s "
+                    f"fwd {rec['ms_fwd']:.2f} ms  fwd+bwd {rec['ms_fwdbwd']:.2f} ms (host {rec['host_ms_fwdbwd']:.2f})  "
+                    f"{rec['tflops']:.0f} TF/s "
                     f"saved {rec['saved_bytes'] / 2**20:.0f} MiB peak {rec['peak_bytes'] / 2**20:.0f} MiB "
                     f"first {rec['first_call_s']:.1f}s check {'ok' if rec.get('check_ok', True) else 'FAIL ' + str(rec['check'])}")
                 print(f"[{time.perf_counter() - started:5.0f}s] {cfg:16s} {act:6s} {name:20s} {status}", flush=True)
@@ -605,8 +675,11 @@ def markdown_table(meta, notes, records):
         f"dense bf16 matmul in the same run: {meta['matmul_peak_tflops']:.0f} TFLOP/s.",
         f"Command: `{meta['command']}`",
         "",
-        "| config | act | impl | fwd ms | fwd+bwd ms | TFLOP/s | % matmul | vs best peer | saved MiB | floor MiB | peak MiB | check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "host ms: how long the forward+backward call took to return on the host (its launches and any "
+        "synchronization); where it nears fwd+bwd ms the GPU waits on the host.",
+        "",
+        "| config | act | impl | fwd ms | fwd+bwd ms | host ms | TFLOP/s | % matmul | vs best peer | saved MiB | floor MiB | peak MiB | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups = {}
     for r in records:
@@ -617,12 +690,13 @@ def markdown_table(meta, notes, records):
         best_peer = min(peers) if peers else None
         for r in recs:
             if "error" in r:
-                lines.append(f"| {cfg} | {act} | {r['impl']} | - | - | - | - | - | - | - | - | {r['error']} |")
+                lines.append(f"| {cfg} | {act} | {r['impl']} | - | - | - | - | - | - | - | - | - | {r['error']} |")
                 continue
             speed = f"{best_peer / r['ms_fwdbwd']:.2f}x" if best_peer else "-"
             check = "ok" if r.get("check_ok", True) else "FAIL"
+            host = f"{r['host_ms_fwdbwd']:.2f}" if "host_ms_fwdbwd" in r else "-"  # older runs lack it
             lines.append(
-                f"| {cfg} | {act} | {r['impl']} | {r['ms_fwd']:.2f} | {r['ms_fwdbwd']:.2f} | {r['tflops']:.0f} | "
+                f"| {cfg} | {act} | {r['impl']} | {r['ms_fwd']:.2f} | {r['ms_fwdbwd']:.2f} | {host} | {r['tflops']:.0f} | "
                 f"{r['pct_of_matmul']:.0f}% | {speed} | {r['saved_bytes'] / 2**20:.0f} | {r['floor_bytes'] / 2**20:.0f} | "
                 f"{r['peak_bytes'] / 2**20:.0f} | {check} |")
     if notes:

@@ -26,7 +26,7 @@ if [ -x .whl/build-megablocks.sh ]; then
   build=$!
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv,noheader
-step "${TESTS_S:-60}" python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -n 6
+step "${TESTS_S:-120}" python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -n 6
 step "${MEGATRON_S:-140}" python3 scripts/gpu_megatron_check.py --out "$out/gpu_megatron_check.json" 2>&1 \
   | grep -v -i warn | tail -n 32
 step "${ROUTING_S:-45}" python3 scripts/bench_routing.py --quick --out "$out/bench_routing_quick.json" 2>&1 | tail -n 24

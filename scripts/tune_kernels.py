@@ -55,6 +55,11 @@ def wgrad_config(bm, bn, bk, w, s):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
 
 
+def config_label(cfg):
+    kw = cfg.kwargs
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}/g{kw.get('GROUP_M', '-')}/w{cfg.num_warps}/s{cfg.num_stages}"
+
+
 def rel_err(a, b):
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -146,6 +151,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default="conf4,qwen3,7b")
     ap.add_argument("--ops", default="fc1_act,fc2,dh_act_bwd,dw2,dw1,dx")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--configs", default="", help="comma list of label parts (e.g. '128x256,/s5'): time only "
+                    "the candidate configs whose label contains one of them (default: all)")
     ap.add_argument("--time-limit", type=float, default=400.0, help="seconds; stops starting new shapes after")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -172,9 +179,10 @@ def main(argv=None):
                 candidates = [wgrad_config(*c) for c in WGRAD_CONFIGS]
             else:  # gated epilogues keep two accumulators or two pre halves: at most 128 columns
                 candidates = [row_config(*c) for c in ROW_CONFIGS if kind == "row" or c[1] <= 128]
-            for cfg in candidates:
-                label = f"{cfg.kwargs['BLOCK_M']}x{cfg.kwargs['BLOCK_N']}x{cfg.kwargs['BLOCK_K']}" \
-                        f"/g{cfg.kwargs.get('GROUP_M', '-')}/w{cfg.num_warps}/s{cfg.num_stages}"
+            candidates = [c for c in candidates if any(f in config_label(c) for f in args.configs.split(","))]
+            # The autotuned launch itself, timed like the candidates, for comparison.
+            for cfg in [None] + candidates:
+                label = "autotuned" if cfg is None else config_label(cfg)
                 rec = dict(shape=shape, op=name, config=label, T=T, d=d, h=h, E=E, K=K, dense_tflops=peak)
                 try:
                     # Poison what the launch must overwrite (dH's pre is its input: reset restores it).
@@ -192,7 +200,7 @@ def main(argv=None):
 
                 records.append(rec)
                 previous = best.get((shape, name))
-                if rec["ok"] and (previous is None or rec["ms"] < previous["ms"]):
+                if cfg is not None and rec["ok"] and (previous is None or rec["ms"] < previous["ms"]):
                     best[(shape, name)] = rec
                 status = f"{rec['ms']:.3f} ms {rec['tflops']:.0f} TF/s err {rec['err']:.1e}" if rec["ms"] else rec["error"]
                 print(f"  {name:10s} {label:24s} {status}", flush=True)

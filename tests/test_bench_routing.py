@@ -22,7 +22,7 @@ def test_cpu_quick_mode_writes_json_and_table(tmp_path):
     result = json.loads(out.read_text())
     for key in ("gpu", "torch", "triton", "date", "command", "megatron", "records"):
         assert result[key], key
-    methods = ("three_step", "three_launch", "sort", "auto", "auto_validated", "argsort", "megatron", "masked_select")
+    methods = ("three_step", "sort", "auto", "auto_validated", "argsort", "megatron", "masked_select")
     assert len(result["records"]) == 8  # 2 T x 2 E x 2 K
     for record in result["records"]:
         assert all(record["median_ms"][m] > 0 for m in methods), record
@@ -33,8 +33,9 @@ def test_cpu_quick_mode_writes_json_and_table(tmp_path):
         assert record["graph_auto_vs_best"] is None and record["graph_speedup_three_step_vs_argsort"] is None
     assert result["graph_not_captured"] == {}
     assert any(line.startswith("eager: auto vs min") for line in result["summary"]), result["summary"]
-    assert "GPU (CUDA graph): not measured" in result["summary"]
+    assert result["summary"][0] == "GPU (CUDA graph): not measured"  # the GPU lines come first
     table = out.with_suffix(".md").read_text()
+    assert "host-launch bound" in table  # why the GPU lines matter more than the eager ones
     assert table.count("\n| ") == 1 + len(result["records"])  # header and one row per shape
     header = next(line for line in table.splitlines() if line.startswith("| T |"))
     assert all(f"| {m} graph |" in header for m in ("three_step", "sort", "argsort")), header

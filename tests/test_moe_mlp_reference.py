@@ -259,6 +259,36 @@ def test_given_plan_equals_built_plan(backend, method, generator):
         assert torch.equal(g1[name], g2[name]), name
 
 
+@pytest.mark.parametrize("backend", MOE_MLP_BACKENDS)
+def test_validate_false_skips_only_the_value_check(backend, monkeypatch, generator):
+    import sys
+
+    import moeblaze_megatron.routing as routing_module
+
+    moe_mlp_module = sys.modules["moeblaze_megatron.moe_mlp"]  # the package re-exports the function
+
+    problem = make_moe_problem(33, 16, 12, 6, 3, "swiglu", torch.float32, generator, routing="unused")
+    args = {n: problem[n].detach() for n in ("x", "topk_ids", "topk_probs", "fc1_weight", "fc2_weight")}
+    expected = moe_mlp(**args, backend=backend)
+    seen = []
+    real = routing_module.check_topk_ids
+
+    def spy(topk_ids, num_experts, *, check_values=True):
+        seen.append(check_values)
+        real(topk_ids, num_experts, check_values=check_values)
+
+    monkeypatch.setattr(moe_mlp_module, "check_topk_ids", spy)
+    monkeypatch.setattr(routing_module, "check_topk_ids", spy)
+    assert torch.equal(moe_mlp(**args, backend=backend, validate=False), expected)
+    assert seen and not any(seen), seen  # the shape checks ran, the value check (a sync) did not
+    seen.clear()
+    moe_mlp(**args, backend=backend)
+    assert seen.count(True) == 1, seen  # validated once, not again when the plan is built
+    # validate=False still refuses what no plan can describe.
+    with pytest.raises(ValueError, match="topk_ids has 2 rows"):
+        moe_mlp(**{**args, "topk_ids": args["topk_ids"][:2]}, backend=backend, validate=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input. Each case edits the arguments of a valid call (T=10, d=8, h=4, E=4, K=2, SwiGLU,
 # float32) and names the argument the error must mention.

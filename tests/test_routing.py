@@ -22,9 +22,7 @@ from conftest import (
 from moeblaze_megatron import RoutingPlan, build_routing_plan
 from moeblaze_megatron.routing import choose_routing_method, gpu_routing_method
 
-# "three_step_multi" is the three-step build forced onto its three-launch path, which it takes
-# only past ONE_LAUNCH_MAX_TOKENS tokens or ONE_LAUNCH_MAX_EXPERTS experts otherwise.
-METHODS = ["torch", "sort", "three_step", "three_step_multi", "auto"]
+METHODS = ["torch", "sort", "three_step", "auto"]
 
 
 def assert_matches_definition(plan, topk_ids, num_experts, label=""):
@@ -34,19 +32,10 @@ def assert_matches_definition(plan, topk_ids, num_experts, label=""):
 
 
 def build(topk_ids, num_experts, method, **kwargs):
-    triton_method = method == "sort" or method.startswith("three_step")
+    triton_method = method in ("sort", "three_step")
     if triton_method and isinstance(topk_ids, torch.Tensor) and not three_step_available(topk_ids.device):
         pytest.skip(f"{method} needs CUDA tensors or TRITON_INTERPRET=1")
-    if method != "three_step_multi":
-        return build_routing_plan(topk_ids, num_experts, method=method, **kwargs)
-    from moeblaze_megatron.kernels import routing as kernels
-
-    saved = kernels.ONE_LAUNCH_MAX_TOKENS
-    kernels.ONE_LAUNCH_MAX_TOKENS = -1
-    try:
-        return build_routing_plan(topk_ids, num_experts, method="three_step", **kwargs)
-    finally:
-        kernels.ONE_LAUNCH_MAX_TOKENS = saved
+    return build_routing_plan(topk_ids, num_experts, method=method, **kwargs)
 
 
 @pytest.mark.parametrize("case_id", ROUTING_CASE_IDS)
@@ -61,9 +50,8 @@ def test_plan_matches_definition(method, case_id):
     assert_plans_identical(plan, build_routing_plan(topk_ids, num_experts, method="torch"), method)
 
 
-# The three-launch path with many token tiles per expert (a tile holds 8192 cells: 512 tokens x 16
-# experts, 1024 x 8 for E <= 8, up to 4096 x 2 for E <= 2), past ONE_LAUNCH_MAX_TOKENS so that
-# "three_step" takes it too. (case id, kind, T, E, K)
+# The three-step build with many token tiles per expert (a tile holds 8192 cells: 512 tokens x 16
+# experts, 1024 x 8 for E <= 8, up to 4096 x 2 for E <= 2). (case id, kind, T, E, K)
 MANY_TILE_CASES = [
     ("e6_unused", "unused", 20000, 6, 2),  # 20 tiles of 1024 tokens; the -1 tail spans many tiles
     ("e72_empty_experts", "empty_experts", 9000, 72, 3),  # 18 tiles x 5 expert blocks, E > 64
@@ -247,23 +235,29 @@ def test_three_step_topk_limit(generator):
 
 
 M = 2**20
-# (T, E, K, what auto runs on the GPU): the three-step build while T*E <= 2^25 or E <= 4K, and
-# K <= 126; the sort otherwise.
+# (T, E, K, what auto runs on the GPU): the build with the lower predicted GPU time (the cost model
+# in moeblaze_megatron/routing.py), the sort past the three-step build's MAX_TOPK. The comments give
+# the CUDA-graph times (ms, three-step vs sort) of benchmarks/results/2026-11-29-h200-v3.
 AUTO_CASES = [
-    (4096, 8, 2, "three_step"),
-    (0, 8, 2, "three_step"),
-    (262144, 128, 1, "three_step"),  # 2^25 cells: the edge
-    (262144 + 1, 128, 1, "sort"),
-    (262144, 512, 1, "sort"),
-    (M, 32, 1, "three_step"),  # 2^25 cells
-    (M, 64, 1, "sort"),
-    (M, 32, 8, "three_step"),
-    (M, 64, 8, "sort"),  # E > 4K
-    (M, 128, 8, "sort"),
-    (4 * M, 32, 8, "three_step"),  # E <= 4K at any T
-    (4 * M, 16, 4, "three_step"),
-    (4 * M, 17, 4, "sort"),
-    (8 * M, 8, 1, "sort"),
+    (0, 8, 2, "three_step"),  # the three-step build's launch floor is below the sort's
+    (4096, 8, 2, "three_step"),  # 0.017 vs 0.029
+    (4096, 512, 8, "three_step"),  # few tokens, many experts: 0.024 vs 0.041
+    (65536, 32, 1, "three_step"),  # 0.019 vs 0.032
+    (65536, 64, 1, "sort"),  # 0.028 vs 0.032: the model's miss, by 11%
+    (262144, 128, 1, "sort"),  # 0.157 vs 0.038
+    (M, 8, 8, "three_step"),  # few experts, many tokens: 0.109 vs 0.307
+    (M, 32, 8, "three_step"),  # 0.243 vs 0.369
+    (4 * M, 32, 8, "three_step"),  # both grow with T: the same pick
+    (M, 64, 8, "sort"),  # 0.445 vs 0.388
+    (M, 8, 1, "three_step"),  # 0.049 vs 0.054
+    (M, 9, 1, "sort"),  # the dense map's cost passes the sort's at K = 1
+    (M, 16, 1, "sort"),  # 0.086 vs 0.056
+    (M, 64, 1, "sort"),  # 0.312 vs 0.062
+    (M, 512, 1, "sort"),  # 2.40 vs 0.085
+    (M, 512, 8, "sort"),  # 3.28 vs 0.509
+    (16384, 255, 1, "sort"),  # uint8 keys ...
+    (16384, 256, 1, "three_step"),  # ... int16 keys cost the sort 0.012 ms more: 0.028 vs 0.041
+    (16384, 512, 1, "sort"),  # 0.046 vs 0.042
     (3, 130, 127, "sort"),  # past the three-step build's MAX_TOPK
     (3, 512, 126, "three_step"),
 ]

@@ -5,8 +5,9 @@ Two kernels serve the whole forward and backward pass:
 * ``_row_gemm_kernel``: for every expert e and every row r of its slice of the plan,
   ``C[r] = A[src(r)] @ B[e]`` where ``src(r)`` is the token id (``GATHER_A``: rows of x or dY read
   in place through ``expert_token_indices``) or r itself (A already in expert order). Its epilogue
-  is one of: store C; the activation forward (SwiGLU: one load of x feeds the gate and the up
-  accumulators, and silu(gate) * up is formed in registers); the activation backward (silu
+  is one of: store C; the activation forward (SwiGLU: the gate columns and the up columns form one
+  weight tile twice as wide, so x is read once and silu(gate) * up is formed in registers from the
+  two halves of one accumulator); the activation backward (silu
   recomputed from the saved pre-activations, the router-probability gradient as a row dot
   product, the probability scaling).
 * ``_weight_grad_kernel``: ``dW[e] = A[rows(e)]^T @ B[rows(e)]``, each program reducing one output
@@ -18,6 +19,8 @@ Row tiles never straddle two experts: row-tile i is mapped to its expert inside 
 """
 
 from __future__ import annotations
+
+import os
 
 import triton
 import triton.language as tl
@@ -70,9 +73,18 @@ def _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl
     return e, row0, row_end, pid_m < tl.sum(tiles, axis=0)
 
 
+def autotuning() -> bool:
+    """MOEBLAZE_AUTOTUNE=0 runs every GEMM with one general config instead of timing the list
+    on the first call of each shape (seconds per shape; the tuned configs are up to ~1.5x faster)."""
+    return os.environ.get("MOEBLAZE_AUTOTUNE", "1") != "0"
+
+
 def _row_gemm_configs():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4)]
+    if not autotuning():
+        # BLOCK_K 32: four stages fit shared memory in float32 too.
+        return [triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4)]
     # From scripts/tune_kernels.py on the H200 (2026-11-29, benchmarks/results/2026-11-29-h200-v2):
     # 128x256 tiles won every plain GEMM (fc2, dX: 650-690 TFLOP/s on conf4 and qwen3), 128x128
     # the epilogues capped at 128 columns; 4-warp and 64-row tiles never won on those shapes, one
@@ -91,7 +103,7 @@ def _row_gemm_configs():
 
 
 def _prune_row_gemm(configs, named_args, **kwargs):
-    # Epilogues that hold two tiles per output (SwiGLU forward: gate and up accumulators; every
+    # Epilogues that hold two tiles per output (SwiGLU forward: the gate and up halves; every
     # activation backward: the saved pre-activations next to dH) spill past 128 columns.
     # (Triton passes the constexprs in kwargs, the other arguments in named_args.)
     args = {**named_args, **kwargs}
@@ -148,19 +160,25 @@ def _row_gemm_kernel(
             src = rows.to(tl.int64)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
+        # The SwiGLU forward multiplies by the gate columns and the up columns N further on as one
+        # [BLOCK_K, 2 * BLOCK_N] tile: one matrix-instruction chain twice as wide, x read once.
+        B_COLS: tl.constexpr = 2 * BLOCK_N if GLU and EPILOGUE == 1 else BLOCK_N
+        if GLU and EPILOGUE == 1:
+            j = tl.arange(0, B_COLS)
+            b_cols = pid_n * BLOCK_N + j + (j // BLOCK_N) * (N - BLOCK_N)
+            b_col_ok = pid_n * BLOCK_N + j % BLOCK_N < N
+        else:
+            b_cols = cols
+            b_col_ok = col_ok
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :] * stride_ak
-        b_ptrs = b_ptr + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :].to(tl.int64) * stride_bn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        b_ptrs = b_ptr + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + b_cols[None, :].to(tl.int64) * stride_bn
+        acc = tl.zeros((BLOCK_M, B_COLS), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = ks < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & b_col_ok[None, :], other=0.0)
             acc = dot(a, b, acc, MEND_BF16, PRECISION)
-            if GLU and EPILOGUE == 1:
-                b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                acc_up = dot(a, b_up, acc_up, MEND_BF16, PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
 
@@ -173,15 +191,18 @@ def _row_gemm_kernel(
             tl.store(c_ptrs, to_storage(acc, out_dtype, MEND_BF16), mask=mask)
         elif EPILOGUE == 1:
             # Round to the storage dtype first: backward recomputes from the stored values.
-            gate = to_storage(acc, out_dtype, MEND_BF16)
-            if STORE_PRE:
-                tl.store(pre_ptrs, gate, mask=mask)
             if GLU:
+                acc_gate, acc_up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+                gate = to_storage(acc_gate, out_dtype, MEND_BF16)
                 up = to_storage(acc_up, out_dtype, MEND_BF16)
                 if STORE_PRE:
+                    tl.store(pre_ptrs, gate, mask=mask)
                     tl.store(pre_ptrs + N, up, mask=mask)
                 h = _act(gate.to(tl.float32), ACT) * up.to(tl.float32)
             else:
+                gate = to_storage(acc, out_dtype, MEND_BF16)
+                if STORE_PRE:
+                    tl.store(pre_ptrs, gate, mask=mask)
                 h = _act(gate.to(tl.float32), ACT)
             tl.store(c_ptrs, to_storage(h, out_dtype, MEND_BF16), mask=mask)
         else:
@@ -225,6 +246,8 @@ def _act_bwd_cols(acc, p, r64, row_ok, cols, N, c_ptr, pre_ptr, stride_cm, strid
 def _weight_grad_configs():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4)]
+    if not autotuning():
+        return [triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8, num_stages=5)]
     # The row ids are loaded inside the loop and take a pipeline stage of their own, so these
     # need one stage more than the row GEMM for the same depth (5 stages: 3 buffers).
     return [
@@ -289,8 +312,7 @@ def _launch(kernel, grid, args, constexprs, config):
     if config is None:
         kernel[grid](*args, **constexprs)
     else:
-        kernel.fn[grid](*args, **constexprs, **config.kwargs, num_warps=config.num_warps,
-                        num_stages=config.num_stages)
+        kernel.fn[grid](*args, **constexprs, **config.all_kwargs())
 
 
 def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, activation="swiglu",
@@ -327,7 +349,7 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
 
 def row_gemm_ds_tiles(n: int) -> int:
     """Upper bound on the column tiles of the activation-backward epilogue (its ds width)."""
-    smallest = min(c.kwargs["BLOCK_N"] for c in _row_gemm_configs())
+    smallest = min(c.kwargs["BLOCK_N"] for c in _row_gemm_kernel.configs)
     return triton.cdiv(n, smallest)
 
 

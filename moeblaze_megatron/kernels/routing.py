@@ -25,11 +25,6 @@ Tiles hold BLOCK_E x BLOCK_T = 8192 cells; below 16 experts the expert block nar
 count rounded up to a power of two (at least 2) and the token tile widens, so fewer lanes idle
 (E = 8 used half of a 16-expert block). The grid runs the expert blocks of a tile next to each
 other, so a tile's ids, read once per expert block, come from L2 after the first read.
-
-For few tokens the three launches cost more than the work, so ``_one_launch_kernel`` runs the same
-three steps in a single launch: each program owns a block of experts, counts every expert's slots
-itself (step b needs no barrier between programs then) and ranks and scatters its own experts'
-cells tile by tile, the dense map living one token tile at a time in registers.
 """
 
 from __future__ import annotations
@@ -40,16 +35,12 @@ import triton.language as tl
 
 BLOCK_T = 512
 BLOCK_E = 16
-# Cells of one (expert block, token tile) program of the three-launch path.
+# Cells of one (expert block, token tile) program.
 TILE_CELLS = BLOCK_E * BLOCK_T
 # Tile counts one step-(b) program scans at a time, and expert totals one step-(c) program sums at a
 # time (both loop past them).
 SCAN_BLOCK = 4096
 TOTALS_BLOCK = 1024
-# Up to this many tokens (and 64 experts) one launch beats three (estimated for the H200 from the
-# 2026-11-29 sweep, where the three launches took 50-100 us at 4K tokens, launch-bound).
-ONE_LAUNCH_MAX_TOKENS = 8192
-ONE_LAUNCH_MAX_EXPERTS = 64
 # The dense map holds k + 1 in an int8.
 MAX_TOPK = 126
 
@@ -140,56 +131,8 @@ def _scatter_kernel(
     tl.store(token_expert_indices_ptr + slot, (e[:, None] + 0 * t[None, :]), mask=marked)
 
 
-@triton.jit
-def _one_launch_kernel(
-    topk_ids_ptr, offsets_ptr, expert_token_indices_ptr, token_index_map_ptr,
-    token_expert_indices_ptr, T, E, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BINS: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    bins = tl.arange(0, BINS)
-    counts = tl.zeros((BINS,), dtype=tl.int32)
-    for t0 in range(0, T, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        t_ok = t < T
-        for k in tl.static_range(K):
-            slot = t.to(tl.int64) * K + k
-            ids = tl.load(topk_ids_ptr + slot, mask=t_ok, other=-1).to(tl.int32)
-            # Unused slots and the padding count in bin E, which no expert owns.
-            counts += tl.histogram(tl.where(ids < 0, E, ids), BINS)
-            unused = t_ok & (ids < 0) & (pid == 0)
-            tl.store(token_index_map_ptr + slot, tl.full((BLOCK_T,), -1, tl.int32), mask=unused)
-            tl.store(token_expert_indices_ptr + slot, tl.full((BLOCK_T,), -1, tl.int32), mask=unused)
-    counts = tl.where(bins < E, counts, 0)
-    starts = tl.cumsum(counts, axis=0) - counts
-    total = tl.sum(counts, axis=0)
-    tl.store(offsets_ptr + bins, starts, mask=(bins < E) & (pid == 0))
-    tl.store(offsets_ptr + E, total, mask=pid == 0)
-    for start in range(total, T * K, BLOCK_T):
-        i = start + tl.arange(0, BLOCK_T)
-        tl.store(expert_token_indices_ptr + i, tl.full((BLOCK_T,), -1, tl.int32), mask=(i < T * K) & (pid == 0))
-
-    e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
-    run = tl.sum(tl.where(bins[None, :] == e[:, None], starts[None, :], 0), axis=1)
-    for t0 in range(0, T, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        t_ok = t < T
-        cell = tl.zeros((BLOCK_E, BLOCK_T), dtype=tl.int32)
-        for k in tl.static_range(K):
-            ids = tl.load(topk_ids_ptr + t.to(tl.int64) * K + k, mask=t_ok, other=-1).to(tl.int32)
-            cell = tl.where(ids[None, :] == e[:, None], k + 1, cell)
-        marked = cell > 0
-        pos = run[:, None] + tl.cumsum(marked.to(tl.int32), axis=1) - 1
-        tl.store(expert_token_indices_ptr + pos, (t[None, :] + 0 * e[:, None]), mask=marked)
-        slot = t[None, :].to(tl.int64) * K + (cell - 1)
-        tl.store(token_index_map_ptr + slot, pos, mask=marked)
-        tl.store(token_expert_indices_ptr + slot, (e[:, None] + 0 * t[None, :]), mask=marked)
-        run += tl.sum(marked.to(tl.int32), axis=1)
-
-
-def three_step_routing_plan(topk_ids: torch.Tensor, num_experts: int, one_launch: bool | None = None):
-    """Launch the three steps; returns the plan's four tensors (int32). ``one_launch``: run them
-    in the single-launch kernel (None: where the token and expert counts are small enough)."""
+def three_step_routing_plan(topk_ids: torch.Tensor, num_experts: int):
+    """Launch the three steps; returns the plan's four tensors (int32)."""
     num_tokens, topk = topk_ids.shape
     if topk > MAX_TOPK:
         raise ValueError(f"the three-step build supports topk <= {MAX_TOPK}, got {topk}; use method='sort'")
@@ -199,15 +142,6 @@ def three_step_routing_plan(topk_ids: torch.Tensor, num_experts: int, one_launch
     expert_token_indices = torch.empty(num_tokens * topk, dtype=torch.int32, device=device)
     token_index_map = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
     token_expert_indices = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
-    if one_launch is None:
-        one_launch = num_tokens <= ONE_LAUNCH_MAX_TOKENS and num_experts <= ONE_LAUNCH_MAX_EXPERTS
-    if one_launch:
-        _one_launch_kernel[(triton.cdiv(num_experts, BLOCK_E),)](
-            topk_ids, offsets, expert_token_indices, token_index_map, token_expert_indices,
-            num_tokens, num_experts, K=topk, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
-            BINS=triton.next_power_of_2(num_experts + 1), num_warps=8,
-        )
-        return expert_token_indices, offsets, token_expert_indices, token_index_map
     # Narrow the expert block to the expert count (at least 2 rows) and widen the tile to match.
     block_e = min(BLOCK_E, max(triton.next_power_of_2(num_experts), 2))
     block_t = TILE_CELLS // block_e

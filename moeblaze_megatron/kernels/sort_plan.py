@@ -35,36 +35,51 @@ _MAX_SLOTS = 2**31 - 1
 
 
 @triton.jit
+def _search_offsets(sorted_keys_ptr, offsets_ptr, n, E, pid, BLOCK_E: tl.constexpr, FANOUT: tl.constexpr,
+                    LEVELS: tl.constexpr):
+    # below[e] = keys < e, digit by digit: at stride s the probes below + i*s (i = 1..FANOUT-1)
+    # ask whether key[below + i*s - 1] < e; the keys ascend, so the true ones are a prefix.
+    e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    probe = tl.arange(0, FANOUT).to(tl.int64)
+    below = tl.zeros((BLOCK_E,), dtype=tl.int64)
+    for level in tl.static_range(LEVELS):
+        pos = below[:, None] + probe[None, :] * (FANOUT ** (LEVELS - 1 - level))
+        ok = (probe[None, :] > 0) & (pos <= n)
+        key = tl.load(sorted_keys_ptr + pos - 1, mask=ok, other=0).to(tl.int32)
+        hits = tl.sum((ok & (key < e[:, None])).to(tl.int64), axis=1)
+        below += hits * (FANOUT ** (LEVELS - 1 - level))
+    tl.store(offsets_ptr + e, below.to(tl.int32), mask=e <= E)
+
+
+@triton.jit
+def _write_plan(keys_ptr, sorted_keys_ptr, slots_ptr, expert_token_indices_ptr, token_expert_indices_ptr,
+                token_index_map_ptr, n, E, block, K: tl.constexpr, BLOCK: tl.constexpr):
+    p = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < n
+    key = tl.load(sorted_keys_ptr + p, mask=ok, other=0).to(tl.int32)
+    slot = tl.load(slots_ptr + p, mask=ok, other=0).to(tl.int32)
+    used = key < E
+    tl.store(expert_token_indices_ptr + p, tl.where(used, slot // K, -1), mask=ok)
+    tl.store(token_index_map_ptr + slot, tl.where(used, p.to(tl.int32), -1), mask=ok)
+    key = tl.load(keys_ptr + p, mask=ok, other=0).to(tl.int32)
+    tl.store(token_expert_indices_ptr + p, tl.where(key < E, key, -1), mask=ok)
+
+
+@triton.jit
 def _sort_plan_kernel(
     keys_ptr, sorted_keys_ptr, slots_ptr, expert_token_indices_ptr, offsets_ptr,
     token_expert_indices_ptr, token_index_map_ptr, n, E, num_search_programs,
     K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, FANOUT: tl.constexpr,
     LEVELS: tl.constexpr,
 ):
+    # The two roles live in their own functions: Triton 3.6 rejects a name bound to tensors of
+    # different shapes in the two branches of a runtime if.
     pid = tl.program_id(0)
     if pid < num_search_programs:
-        # below[e] = keys < e, digit by digit: at stride s the probes below + i*s (i = 1..FANOUT-1)
-        # ask whether key[below + i*s - 1] < e; the keys ascend, so the true ones are a prefix.
-        e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
-        probe = tl.arange(0, FANOUT).to(tl.int64)
-        below = tl.zeros((BLOCK_E,), dtype=tl.int64)
-        for level in tl.static_range(LEVELS):
-            pos = below[:, None] + probe[None, :] * (FANOUT ** (LEVELS - 1 - level))
-            ok = (probe[None, :] > 0) & (pos <= n)
-            key = tl.load(sorted_keys_ptr + pos - 1, mask=ok, other=0).to(tl.int32)
-            hits = tl.sum((ok & (key < e[:, None])).to(tl.int64), axis=1)
-            below += hits * (FANOUT ** (LEVELS - 1 - level))
-        tl.store(offsets_ptr + e, below.to(tl.int32), mask=e <= E)
+        _search_offsets(sorted_keys_ptr, offsets_ptr, n, E, pid, BLOCK_E, FANOUT, LEVELS)
     else:
-        p = (pid - num_search_programs).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = p < n
-        key = tl.load(sorted_keys_ptr + p, mask=ok, other=0).to(tl.int32)
-        slot = tl.load(slots_ptr + p, mask=ok, other=0).to(tl.int32)
-        used = key < E
-        tl.store(expert_token_indices_ptr + p, tl.where(used, slot // K, -1), mask=ok)
-        tl.store(token_index_map_ptr + slot, tl.where(used, p.to(tl.int32), -1), mask=ok)
-        key = tl.load(keys_ptr + p, mask=ok, other=0).to(tl.int32)
-        tl.store(token_expert_indices_ptr + p, tl.where(key < E, key, -1), mask=ok)
+        _write_plan(keys_ptr, sorted_keys_ptr, slots_ptr, expert_token_indices_ptr, token_expert_indices_ptr,
+                    token_index_map_ptr, n, E, pid - num_search_programs, K, BLOCK)
 
 
 def search_levels(fanout: int) -> int:

@@ -1,0 +1,45 @@
+"""scripts/bench_layer.py's report (markdown table from saved records) runs without a GPU and
+says what the records say: speed against the best peer, host time where recorded, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _record(impl, ms, **extra):
+    return dict(config="qwen3-30b-like", T=64, d=16, h=8, E=4, K=2, activation="swiglu", impl=impl,
+                ms_fwd=ms / 3, ms_fwdbwd=ms, tflops=100.0, pct_of_matmul=20.0, saved_bytes=2**20,
+                floor_bytes=2**20, peak_bytes=3 * 2**20, check_ok=True, **extra)
+
+
+def test_report_only_rewrites_the_table(tmp_path):
+    meta = dict(gpu="test GPU", torch="t", triton="t", date="2026-11-29", command="python scripts/bench_layer.py",
+                matmul_peak_tflops=500.0)
+    records = [
+        _record("moeblaze", 5.0, host_ms_fwdbwd=1.25),
+        _record("grouped_mm", 10.0),  # a record from before host time was measured
+        _record("scattermoe", 7.5, host_ms_fwdbwd=7.0),
+        dict(config="qwen3-30b-like", activation="swiglu", impl="liger", error="OOM"),
+    ]
+    saved = tmp_path / "layer.json"
+    saved.write_text(json.dumps(dict(meta=meta, notes=["megablocks: not run (ImportError)"], records=records)))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_layer.py"), "--report-only", str(saved)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    table = (tmp_path / "layer.md").read_text()
+    rows = {line.split(" | ")[2]: line.split(" | ") for line in table.splitlines() if line.startswith("| qwen3")}
+    header = next(line for line in table.splitlines() if line.startswith("| config")).split(" | ")
+    col = {name.strip("| "): i for i, name in enumerate(header)}
+    # The best peer is ScatterMoE (7.5 ms): moeblaze 1.50x, grouped_mm 0.75x.
+    assert rows["moeblaze"][col["vs best peer"]] == "1.50x"
+    assert rows["grouped_mm"][col["vs best peer"]] == "0.75x"
+    assert rows["moeblaze"][col["host ms"]] == "1.25"
+    assert rows["grouped_mm"][col["host ms"]] == "-"
+    assert rows["liger"][-1].strip("| ") == "OOM"
+    assert len(rows["liger"]) == len(header)
+    assert "megablocks: not run" in table
