@@ -26,18 +26,18 @@ if [ -x .whl/build-megablocks.sh ]; then
   build=$!
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv,noheader
-step "${TESTS_S:-120}" python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -n 6
-step "${MEGATRON_S:-140}" python3 scripts/gpu_megatron_check.py --out "$out/gpu_megatron_check.json" 2>&1 \
+step "${TESTS_S:-90}" python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -n 6
+step "${MEGATRON_S:-120}" python3 scripts/gpu_megatron_check.py --out "$out/gpu_megatron_check.json" 2>&1 \
   | grep -v -i warn | tail -n 32
 step "${ROUTING_S:-45}" python3 scripts/bench_routing.py --quick --out "$out/bench_routing_quick.json" 2>&1 | tail -n 24
 if [ -n "${build:-}" ]; then
   wait "$build"; tail -n 2 /tmp/megablocks_build.log
   export PYTHONPATH=/tmp/mb:$PYTHONPATH
 fi
-step "${LAYER_S:-260}" python3 scripts/bench_layer.py --out "$out" --configs "${LAYER_CONFIGS:-conf4,qwen3,7b,dsv3,conf3,conf1}" \
+step "${LAYER_S:-260}" python3 scripts/bench_layer.py --out "$out" --configs "${LAYER_CONFIGS:-qwen3,7b,conf4,dsv3}" \
   --acts swiglu --reps 5 --impls moeblaze,grouped_mm,megatron_sequential,megablocks,liger,scattermoe --profile 2>&1 \
   | grep -v -i warn
-step "${SILU_S:-45}" python3 scripts/bench_layer.py --out "$out" --tag bench_layer_silu --configs conf4 --acts silu \
+step "${SILU_S:-30}" python3 scripts/bench_layer.py --out "$out" --tag bench_layer_silu --configs conf4 --acts silu \
   --reps 5 --impls moeblaze,grouped_mm,megatron_sequential,megablocks,scattermoe 2>&1 | grep -v -i warn | tail -n 12
 # The device tool brings back at most 8 files: one archive of everything, and the JSON records.
 tar czf /tmp/results.tar.gz -C "$out" . && mv /tmp/results.tar.gz "$out/" && find "$out" -type f ! -name '*.json' ! -name results.tar.gz -delete
