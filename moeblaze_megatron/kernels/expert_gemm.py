@@ -102,13 +102,23 @@ def _row_gemm_configs():
     ]
 
 
+# The activation backward writes one router-gradient partial per column tile, summed afterwards:
+# its rounding depends on the tile width. One width for every config it may run keeps the router
+# gradient bitwise the same whichever config the autotuner picks, run to run (H200: identical
+# across tile heights, BLOCK_K, warps and stages at width 128; 64 cost 7B-like 0.016 ms less).
+ACT_BWD_BLOCK_N = 128
+
+
 def _prune_row_gemm(configs, named_args, **kwargs):
-    # Epilogues that hold two tiles per output (SwiGLU forward: the gate and up halves; every
-    # activation backward: the saved pre-activations next to dH) spill past 128 columns.
+    # The SwiGLU forward holds the gate and up halves of its tile: it spills past 128 columns.
     # (Triton passes the constexprs in kwargs, the other arguments in named_args.)
     args = {**named_args, **kwargs}
-    wide_epilogue = args["EPILOGUE"] == EPI_ACT_BWD or (args["ACT"] == ACT_SWIGLU and args["EPILOGUE"] == EPI_ACT_FWD)
-    keep = [c for c in configs if not (wide_epilogue and c.kwargs["BLOCK_N"] > 128)]
+    if args["EPILOGUE"] == EPI_ACT_BWD:
+        keep = [c for c in configs if c.kwargs["BLOCK_N"] == ACT_BWD_BLOCK_N]
+    elif args["ACT"] == ACT_SWIGLU and args["EPILOGUE"] == EPI_ACT_FWD:
+        keep = [c for c in configs if c.kwargs["BLOCK_N"] <= 128]
+    else:
+        keep = configs
     return keep or configs[-1:]
 
 

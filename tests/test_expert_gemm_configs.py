@@ -1,0 +1,48 @@
+"""The GPU tile-config lists of the expert GEMMs and their pruning (checked without a GPU: the
+lists are plain data; the interpreter runs its own single config)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeblaze_megatron.kernels import expert_gemm as eg
+
+
+@pytest.fixture
+def gpu_lists(monkeypatch):
+    monkeypatch.setattr(eg, "interpreting", lambda: False)
+    monkeypatch.delenv("MOEBLAZE_AUTOTUNE", raising=False)
+
+
+def _prune(configs, epilogue, activation):
+    return eg._prune_row_gemm(configs, {}, EPILOGUE=epilogue, ACT=eg.ACTIVATION_IDS[activation])
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "silu", "gelu"])
+def test_activation_backward_runs_one_tile_width(gpu_lists, activation):
+    # The router gradient's partial sums follow the column tiles: one width for every config the
+    # autotuner may pick keeps it bitwise the same run to run.
+    configs = eg._row_gemm_configs()
+    kept = _prune(configs, eg.EPI_ACT_BWD, activation)
+    assert kept and {c.kwargs["BLOCK_N"] for c in kept} == {eg.ACT_BWD_BLOCK_N}
+    assert len(kept) >= 2  # still something to tune (stages)
+
+
+def test_swiglu_forward_stays_within_128_columns(gpu_lists):
+    configs = eg._row_gemm_configs()
+    kept = _prune(configs, eg.EPI_ACT_FWD, "swiglu")
+    assert kept and all(c.kwargs["BLOCK_N"] <= 128 for c in kept)
+    assert len(_prune(configs, eg.EPI_ACT_FWD, "silu")) == len(configs)
+    assert len(_prune(configs, eg.EPI_STORE, "swiglu")) == len(configs)
+    assert max(c.kwargs["BLOCK_N"] for c in configs) > 128  # the plain GEMMs keep their wide tiles
+
+
+def test_no_autotune_gives_one_config_every_epilogue_accepts(gpu_lists, monkeypatch):
+    monkeypatch.setenv("MOEBLAZE_AUTOTUNE", "0")
+    (row,) = eg._row_gemm_configs()
+    (wgrad,) = eg._weight_grad_configs()
+    for epilogue in (eg.EPI_STORE, eg.EPI_ACT_FWD, eg.EPI_ACT_BWD):
+        assert _prune([row], epilogue, "swiglu") == [row]
+    # The same tile width as the tuned activation backward: the same router-gradient bits.
+    assert row.kwargs["BLOCK_N"] == eg.ACT_BWD_BLOCK_N
+    assert wgrad.kwargs["BLOCK_K"] == row.kwargs["BLOCK_K"] == 32  # fits shared memory in float32
