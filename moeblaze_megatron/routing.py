@@ -46,8 +46,6 @@ THREE_STEP_MS_PER_M_SLOTS = 0.00627
 SORT_BASE_MS = 0.0282
 SORT_MS_PER_M_SLOTS = 0.0333
 SORT_WIDE_KEY_MS = 0.012
-# Up to this many experts the sort's keys are uint8 (kernels/sort_plan.py).
-SORT_NARROW_KEY_MAX_EXPERTS = 255
 _INDEX_LIMIT = 2**31 - 1
 
 
@@ -199,13 +197,14 @@ def gpu_routing_method(num_tokens: int, num_experts: int, topk: int) -> str:
     """The three-step build where its predicted GPU time is at most the sort's and topk is within
     its MAX_TOPK; the sort otherwise (cost model above)."""
     from .kernels.routing import MAX_TOPK
+    from .kernels.sort_plan import sort_key_dtype
 
     if topk > MAX_TOPK:
         return "sort"
     cells, slots = num_tokens * num_experts / 1e6, num_tokens * topk / 1e6
     three_step = THREE_STEP_BASE_MS + THREE_STEP_MS_PER_M_CELLS * cells + THREE_STEP_MS_PER_M_SLOTS * slots
     sort = SORT_BASE_MS + SORT_MS_PER_M_SLOTS * slots
-    if num_experts > SORT_NARROW_KEY_MAX_EXPERTS:
+    if sort_key_dtype(num_experts).itemsize > 1:
         sort += SORT_WIDE_KEY_MS
     return "three_step" if three_step <= sort else "sort"
 

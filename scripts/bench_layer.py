@@ -413,9 +413,27 @@ def measure(cls, T, d, h, E, K, activation, dtype, device, seed, reps):
     torch.cuda.synchronize()
     grad_bytes = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
     peak = torch.cuda.max_memory_allocated() - base - grad_bytes
-    del y, impl, params, xi, pi
     return dict(ms_fwd=ms_fwd, ms_fwdbwd=ms_fwdbwd, host_ms_fwdbwd=host_ms_fwdbwd, saved_bytes=nbytes, peak_bytes=peak,
                 first_call_s=first_call_s)
+
+
+def layer_steps(cls, T, d, h, E, K, activation, dtype, device):
+    """``steps(n)``: n forward+backward passes of a fresh layer (gradients set to None first, as
+    in the timed loop), then a synchronization."""
+    x, ids, probs, fc1, fc2 = make_inputs(T, d, h, E, K, activation, dtype, device, 3)
+    impl = cls(fc1, fc2, activation, E, K)
+    xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    gy = torch.randn_like(x)
+    leaves = impl.params() + [xi, pi]
+
+    def steps(n):
+        for _ in range(n):
+            for t in leaves:
+                t.grad = None
+            impl(xi, ids, pi).backward(gy)
+        torch.cuda.synchronize()
+
+    return steps
 
 
 def profile_kernels(cls, T, d, h, E, K, activation, dtype, device, iters=3):
@@ -423,22 +441,12 @@ def profile_kernels(cls, T, d, h, E, K, activation, dtype, device, iters=3):
     the timed loop), and the timeline of the last one: its span from the first kernel's start to
     the last one's end, the time no kernel ran, and the longest idle gaps with their neighbours
     (host launch overhead and synchronizations show there)."""
-    x, ids, probs, fc1, fc2 = make_inputs(T, d, h, E, K, activation, dtype, device, 3)
-    impl = cls(fc1, fc2, activation, E, K)
-    xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
-    gy = torch.randn_like(x)
-    leaves = impl.params() + [xi, pi]
-
-    def step():
-        for t in leaves:
-            t.grad = None
-        impl(xi, ids, pi).backward(gy)
-        torch.cuda.synchronize()
-
-    step()
+    steps = layer_steps(cls, T, d, h, E, K, activation, dtype, device)
+    steps(1)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        # Each from an idle GPU, as in the timed loop.
         for _ in range(iters):
-            step()
+            steps(1)
     kernels = sorted(
         ((ev.time_range.start, ev.time_range.end, ev.name[:40]) for ev in prof.events()
          if ev.device_type == torch.autograd.DeviceType.CUDA),
@@ -470,19 +478,7 @@ def host_profile(cls, T, d, h, E, K, activation, dtype, device, iters=20, top=14
     import cProfile
     import pstats
 
-    x, ids, probs, fc1, fc2 = make_inputs(T, d, h, E, K, activation, dtype, device, 3)
-    impl = cls(fc1, fc2, activation, E, K)
-    xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
-    gy = torch.randn_like(x)
-    leaves = impl.params() + [xi, pi]
-
-    def steps(n):
-        for _ in range(n):
-            for t in leaves:
-                t.grad = None
-            impl(xi, ids, pi).backward(gy)
-        torch.cuda.synchronize()
-
+    steps = layer_steps(cls, T, d, h, E, K, activation, dtype, device)
     steps(2)
     profiler = cProfile.Profile()
     profiler.enable()

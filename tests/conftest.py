@@ -7,7 +7,9 @@ Triton-backend and dispatcher tests, can build the same inputs and use the same 
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import torch
 
@@ -45,6 +47,16 @@ MOE_MLP_BACKENDS = ["reference", "triton"]
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 8 * 2.0**-9, torch.float64: 1e-12}
 
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    """A scripts/ entry point imported as a module (``name`` without .py), its main not run."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def three_step_available(device: torch.device) -> bool:

@@ -46,3 +46,9 @@ def test_no_autotune_gives_one_config_every_epilogue_accepts(gpu_lists, monkeypa
     # The same tile width as the tuned activation backward: the same router-gradient bits.
     assert row.kwargs["BLOCK_N"] == eg.ACT_BWD_BLOCK_N
     assert wgrad.kwargs["BLOCK_K"] == row.kwargs["BLOCK_K"] == 32  # fits shared memory in float32
+
+
+def test_autotune_switch_refuses_other_values(gpu_lists, monkeypatch):
+    monkeypatch.setenv("MOEBLAZE_AUTOTUNE", "false")
+    with pytest.raises(ValueError, match="MOEBLAZE_AUTOTUNE must be 0 or 1, got 'false'"):
+        eg._row_gemm_configs()

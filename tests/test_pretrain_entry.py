@@ -6,7 +6,6 @@ provider and forward step train the tiny model one step with either dispatcher."
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import os
 import re
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 
 from moeblaze_megatron.cpu_compat import enable_cpu_megatron
 from moeblaze_megatron.train_loop import COMMON_MODEL_ARGS, MODEL_FAMILIES, NO_TE_ARGS, family_args, single_process
@@ -24,16 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = {"mixtral": "mixtral.sh", "deepseek_v3": "deepseek_v3.sh", "qwen3_moe": "qwen3_moe.sh"}
 
 
-def load_entry_point():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt", REPO / "scripts" / "pretrain_gpt.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def entry():
-    return load_entry_point()
+    return load_script("pretrain_gpt")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ across dispatchers), and compare_dispatchers.py's loss check, search and command
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 
 from moeblaze_megatron.cpu_compat import enable_cpu_megatron
 from moeblaze_megatron.train_loop import RunSpec, Trainer, single_process
@@ -27,13 +27,6 @@ LOSS_RTOL = 1e-5
 NARROW = ["--hidden-size", "64", "--ffn-hidden-size", "128", "--moe-ffn-hidden-size", "32",
           "--num-attention-heads", "4", "--kv-channels", "16", "--num-query-groups", "2",
           "--moe-shared-expert-intermediate-size", "32"]
-
-
-def load_compare():
-    spec = importlib.util.spec_from_file_location("compare_dispatchers", REPO / "scripts" / "compare_dispatchers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +126,7 @@ def test_run_spec_rejects_bad_values():
 
 
 def test_loss_check_tolerance():
-    compare = load_compare()
+    compare = load_script("compare_dispatchers")
     fp32_u, bf16_u = 2.0**-24, 2.0**-8
     baseline = [6.0, 5.0, 4.0, 3.0]
     control = [6.0, 5.0 + 1e-3, 4.0, 3.0]  # the control diverged by 1e-3 at step 2
@@ -154,7 +147,7 @@ def test_loss_check_tolerance():
 
 @pytest.mark.parametrize("threshold,start,granule", [(37, 2, 1), (1, 4, 1), (5000, 4096, 256), (0, 2, 1), (10**9, 2, 1)])
 def test_largest_fitting_search(threshold, start, granule):
-    compare = load_compare()
+    compare = load_script("compare_dispatchers")
     probed = []
 
     def fits(value):
@@ -176,7 +169,7 @@ def test_largest_fitting_search(threshold, start, granule):
 
 
 def test_largest_fitting_stops_at_deadline():
-    compare = load_compare()
+    compare = load_script("compare_dispatchers")
     found = compare.largest_fitting(lambda v: True, 1, 1, 1 << 20, time.perf_counter() - 1)
     assert found["time_limited"] and found["largest_fitting"] is None
 
@@ -205,7 +198,7 @@ def test_compare_dispatchers_cli(tmp_path):
 
 
 def test_compare_dispatchers_fails_on_divergence(tmp_path, monkeypatch):
-    compare = load_compare()
+    compare = load_script("compare_dispatchers")
     baseline, candidate, control = [6.0, 5.0, 4.0], [6.0, 5.5, 5.0], [6.0, 5.0, 4.0]
 
     def diverging(args, device, torch_module, progress):
@@ -226,7 +219,7 @@ def test_search_memory_with_a_simulated_allocator(monkeypatch):
     """search_memory's GPU bookkeeping on a stand-in device: a model of 40 GiB plus 1 GiB per
     1024 tokens under an 80 GiB budget fits micro-batches up to 10 of 4096 tokens; larger probes
     run out of memory (the allocator cap) and are reported as not fitting."""
-    compare = load_compare()
+    compare = load_script("compare_dispatchers")
     gib = 2**30
     state = {"fraction": 1.0, "peak": 0}
     total = 140 * gib

@@ -90,13 +90,18 @@ def search_levels(fanout: int) -> int:
     return levels
 
 
+def sort_key_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest key type whose largest value (an unused slot's key) is above every expert id."""
+    return torch.uint8 if num_experts <= 255 else (torch.int16 if num_experts <= 32767 else torch.int32)
+
+
 def sort_routing_plan(topk_ids: torch.Tensor, num_experts: int):
     """Sort the narrow keys and build the plan from the sort in one kernel; returns the plan's four
     tensors (int32)."""
     num_tokens, topk = topk_ids.shape
     n = num_tokens * topk
     device = topk_ids.device
-    key_dtype = torch.uint8 if num_experts <= 255 else (torch.int16 if num_experts <= 32767 else torch.int32)
+    key_dtype = sort_key_dtype(num_experts)
     if topk_ids.dtype.itemsize < key_dtype.itemsize:
         # The mask below is applied in the ids' own type: widen them first (E > 255 with 8-bit
         # ids, or E > 32767 with 16-bit ids; never on the usual int64 or int32 ids).

@@ -4,7 +4,6 @@ decisions, which only a GPU run exercises end to end, on a stand-in trainer."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,17 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import load_script
 
 from megatron_testing import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_expert_parallel.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_expert_parallel", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -84,7 +77,7 @@ def one_rank_world():
 
 
 def test_sequence_search_decisions(one_rank_world, monkeypatch):
-    bench = load_script()
+    bench = load_script("bench_expert_parallel")
     trainer = StandInTrainer()
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: trainer.peak)
