@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from moeblaze_megatron import build_routing_plan, moe_mlp  # noqa: E402
 from moeblaze_megatron.audit import saved_bytes_for_backward  # noqa: E402
+from moeblaze_megatron.kernels.expert_gemm import autotune_picks  # noqa: E402
 from moeblaze_megatron.reference import ReferenceMoEMLP  # noqa: E402
 
 # (T, d, h, E, K). conf3 and conf4 are the MoEBlaze paper's published configs (T = batch * seq as
@@ -492,14 +493,13 @@ def host_profile(cls, T, d, h, E, K, activation, dtype, device, iters=20, top=14
 
 def tensor_core_report():
     """Which matrix instructions each compiled moeblaze kernel uses (wgmma is Hopper's fast path;
-    mma.sync alone means the kernel runs on the older, slower path)."""
+    mma.sync alone means the kernel runs on the older, slower path). The configs the autotuner
+    picked are in each moeblaze record (``autotune_picks``)."""
     from moeblaze_megatron.kernels import expert_gemm
 
     report = {}
     for name in ("_row_gemm_kernel", "_weight_grad_kernel"):
-        tuner = getattr(expert_gemm, name)
-        report[f"{name}:tuned"] = {str(key): str(cfg) for key, cfg in getattr(tuner, "cache", {}).items()}
-        fn = tuner.fn
+        fn = getattr(expert_gemm, name).fn
         for cache in getattr(fn, "device_caches", {}).values():
             kernels = cache[0] if isinstance(cache, tuple) else cache
             for kernel in kernels.values():
@@ -575,7 +575,10 @@ def main(argv=None):
                         rec["check"] = errs
                         worst = max(v for v in errs.values() if not math.isnan(v))
                         rec["check_ok"] = worst < 3e-2
+                    tuned_before = set(autotune_picks()) if name.startswith("moeblaze") else set()
                     rec.update(measure(cls, T, d, h, E, K, act, dtype, device, 2, args.reps))
+                    if name.startswith("moeblaze"):
+                        rec["autotune_picks"] = {k: v for k, v in autotune_picks().items() if k not in tuned_before}
                     rec["tflops"] = flops_fwdbwd(T, d, h, K, act) / rec["ms_fwdbwd"] / 1e9
                     rec["pct_of_matmul"] = 100 * rec["tflops"] / peak
                     rec["floor_bytes"] = 2 * T * d + (4 if act == "swiglu" else 2) * T * K * h
@@ -603,6 +606,8 @@ def main(argv=None):
                     f"saved {rec['saved_bytes'] / 2**20:.0f} MiB peak {rec['peak_bytes'] / 2**20:.0f} MiB "
                     f"first {rec['first_call_s']:.1f}s check {'ok' if rec.get('check_ok', True) else 'FAIL ' + str(rec['check'])}")
                 print(f"[{time.perf_counter() - started:5.0f}s] {cfg:16s} {act:6s} {name:20s} {status}", flush=True)
+                if rec.get("autotune_picks"):
+                    print("   autotuner picks: " + "  ".join(rec["autotune_picks"].values()), flush=True)
     if args.profile:
         try:
             meta["tensor_core_report"] = tensor_core_report()

@@ -9,36 +9,50 @@
 # then on the GPU machine, carrying .whl and .peers:   bash scripts/gpu_suite.sh
 # MegaBlocks builds in the background (about 3 minutes of CPU) while the GPU tests, the Megatron
 # check and the routing benchmark run; then the layer benchmark with every peer that imports.
-# Each step has its own time limit (seconds, overridable) so the whole fits one 10-minute call.
-# Results go to $OUT (default benchmarks/results/latest).
+# Each step has its own time limit (seconds, overridable) so the whole fits one 10-minute call;
+# STEPS picks some of them (default: "tests megatron routing layer silu"; "tune" times the six
+# GEMMs config by config, TUNE_ARGS adds tune_kernels.py flags; LAYER_CONFIGS, LAYER_ACTS,
+# LAYER_IMPLS and LAYER_FLAGS (default --profile) shape the layer step). Every step's whole output
+# is kept as $out/STEP.log. Results go to $OUT (default benchmarks/results/latest).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+steps=" ${STEPS:-tests megatron routing layer silu} "
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "gpu_suite: installing the carried wheels failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD:$PWD/.peers${PYTHONPATH:+:$PYTHONPATH}
-step() { local limit=$1; shift; echo "== [$(date +%T)] $*"; timeout "$limit" "$@"; echo "== rc=$? [$(date +%T)]"; }
+# step NAME LIMIT LINES COMMAND...: run COMMAND if STEPS names it, under a time limit; its output
+# goes whole to $out/NAME.log and, warnings left out, its last LINES lines to the console.
+step() {
+  local name=$1 limit=$2 lines=$3; shift 3
+  [[ $steps == *" $name "* ]] || return 0
+  echo "== [$(date +%T)] $*"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | grep -v -i warn | tail -n "$lines"
+  echo "== $name rc=${PIPESTATUS[0]} [$(date +%T)]"
+}
 
-if [ -x .whl/build-megablocks.sh ]; then
+if [ -x .whl/build-megablocks.sh ] && [[ $steps == *" layer "* || $steps == *" silu "* ]]; then
   (bash .whl/build-megablocks.sh > /tmp/megablocks_build.log 2>&1; echo "megablocks build rc=$?" >> /tmp/megablocks_build.log) &
   build=$!
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv,noheader
-step "${TESTS_S:-90}" python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tail -n 6
-step "${MEGATRON_S:-120}" python3 scripts/gpu_megatron_check.py --out "$out/gpu_megatron_check.json" 2>&1 \
-  | grep -v -i warn | tail -n 32
-step "${ROUTING_S:-45}" python3 scripts/bench_routing.py --quick --out "$out/bench_routing_quick.json" 2>&1 | tail -n 24
+step tests "${TESTS_S:-90}" 6 python3 -m pytest tests/gpu -q -x -p no:cacheprovider
+step megatron "${MEGATRON_S:-120}" 32 python3 scripts/gpu_megatron_check.py --out "$out/gpu_megatron_check.json"
+step routing "${ROUTING_S:-60}" 24 python3 scripts/bench_routing.py --quick --out "$out/bench_routing_quick.json"
+# shellcheck disable=SC2086  # TUNE_ARGS is a list of flags
+step tune "${TUNE_S:-200}" 40 python3 scripts/tune_kernels.py --out "$out" --time-limit $(( ${TUNE_S:-200} - 40 )) ${TUNE_ARGS:-}
 if [ -n "${build:-}" ]; then
   wait "$build"; tail -n 2 /tmp/megablocks_build.log
   export PYTHONPATH=/tmp/mb:$PYTHONPATH
 fi
-step "${LAYER_S:-260}" python3 scripts/bench_layer.py --out "$out" --configs "${LAYER_CONFIGS:-qwen3,7b,conf4,dsv3}" \
-  --acts swiglu --reps 5 --impls moeblaze,grouped_mm,megatron_sequential,megablocks,liger,scattermoe --profile 2>&1 \
-  | grep -v -i warn
-step "${SILU_S:-30}" python3 scripts/bench_layer.py --out "$out" --tag bench_layer_silu --configs conf4 --acts silu \
-  --reps 5 --impls moeblaze,grouped_mm,megatron_sequential,megablocks,scattermoe 2>&1 | grep -v -i warn | tail -n 12
+# shellcheck disable=SC2086  # LAYER_FLAGS is a list of flags
+step layer "${LAYER_S:-260}" 200 python3 scripts/bench_layer.py --out "$out" --configs "${LAYER_CONFIGS:-qwen3,7b,conf4,dsv3}" \
+  --acts "${LAYER_ACTS:-swiglu}" --reps 5 --impls "${LAYER_IMPLS:-moeblaze,grouped_mm,megatron_sequential,megablocks,liger,scattermoe}" \
+  ${LAYER_FLAGS---profile}
+step silu "${SILU_S:-30}" 12 python3 scripts/bench_layer.py --out "$out" --tag bench_layer_silu --configs conf4 --acts silu \
+  --reps 5 --impls moeblaze,grouped_mm,megatron_sequential,megablocks,scattermoe
 # The device tool brings back at most 8 files: one archive of everything, and the JSON records.
 tar czf /tmp/results.tar.gz -C "$out" . && mv /tmp/results.tar.gz "$out/" && find "$out" -type f ! -name '*.json' ! -name results.tar.gz -delete
 echo "gpu_suite: done; results in $out"

@@ -44,6 +44,7 @@ WGRAD_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
     (128, 128, 64, 8, 4), (128, 128, 64, 8, 5), (128, 128, 64, 8, 6),
     (128, 256, 64, 8, 4), (128, 256, 64, 8, 5), (256, 128, 64, 8, 4), (256, 128, 64, 8, 5),
     (128, 128, 32, 8, 6), (64, 128, 64, 4, 5), (128, 64, 64, 4, 5), (128, 128, 128, 8, 4),
+    (256, 128, 32, 8, 8), (128, 256, 32, 8, 8),
 ]
 
 
@@ -53,11 +54,6 @@ def row_config(bm, bn, bk, gm, w, s):
 
 def wgrad_config(bm, bn, bk, w, s):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-
-
-def config_label(cfg):
-    kw = cfg.kwargs
-    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}/g{kw.get('GROUP_M', '-')}/w{cfg.num_warps}/s{cfg.num_stages}"
 
 
 def rel_err(a, b):
@@ -79,9 +75,10 @@ def time_op(fn, reset, reps):
     return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[reps // 2]
 
 
-def layer_ops(T, d, h, E, K, seed):
-    """The six launches of a SwiGLU layer as (name, flops, launch(config), outputs(), reset())."""
-    dev = "cuda"
+def layer_ops(T, d, h, E, K, seed, dev="cuda"):
+    """The plan, {op: the tensors its result is checked against, where not its own autotuned
+    launch}, and the six launches of a SwiGLU layer (plus the diagnostic ones) as
+    (name, flops, kind, launch(config), outputs(), reset())."""
     g = torch.Generator(device=dev).manual_seed(seed)
     bf = torch.bfloat16
     x = torch.randn(T, d, device=dev, dtype=bf, generator=g)
@@ -104,7 +101,18 @@ def layer_ops(T, d, h, E, K, seed):
     dpre = pre.clone()
     eg.row_gemm(dy, fc2, h_scaled, plan, transpose_weight=False, epilogue=eg.EPI_ACT_BWD,
                 activation="swiglu", gather_a=True, pre=dpre, probs_sorted=probs_sorted, ds_partial=ds, n=h)
+    x_rows = torch.randn(rows, d, device=dev, dtype=bf, generator=g)
     dw1 = torch.empty_like(fc1)
+    dw1_contiguous = torch.empty_like(fc1)
+    x_gathered = x.new_empty(rows, d)
+    group_ends = plan.expert_token_offsets[1:].to(torch.int32)
+    dw1_grouped = []
+
+    def grouped_mm_dw1(config):
+        # cuBLAS/CUTLASS grouped GEMM with the reduction split at the expert offsets, as
+        # torchtitan's backward computes weight gradients, after gathering x into expert order.
+        torch.index_select(x, 0, plan.expert_token_indices, out=x_gathered)
+        dw1_grouped[:] = [torch._grouped_mm(dpre.t(), x_gathered, offs=group_ends)]
     dw2 = torch.empty_like(fc2)
     grad_rows = x.new_empty(rows, d)
     nothing = lambda: None  # noqa: E731
@@ -113,8 +121,11 @@ def layer_ops(T, d, h, E, K, seed):
         pre.copy_(pre_saved)
         ds.zero_()
 
+    dw1_kernel = torch.empty_like(fc1)
+    eg.weight_grad(dpre, x, dw1_kernel, plan, gather_a=False, gather_b=True)
     gemm = 2.0 * rows * d * h
-    return plan, [
+    references = {"dw1_grouped_mm": (dw1_kernel,)}
+    return plan, references, [
         ("fc1_act", 2 * gemm, "row_glu",
          lambda c: eg.row_gemm(x, fc1, hid, plan, transpose_weight=True, epilogue=eg.EPI_ACT_FWD,
                                activation="swiglu", gather_a=True, pre=pre, n=h, config=c),
@@ -133,23 +144,39 @@ def layer_ops(T, d, h, E, K, seed):
         ("dw1", 2 * gemm, "wgrad",
          lambda c: eg.weight_grad(dpre, x, dw1, plan, gather_a=False, gather_b=True, config=c),
          lambda: (dw1,), nothing),
+        # Diagnostic: dW1 with its x operand already in expert order (x_rows), no gather; the
+        # difference to dw1 is what gathering the rows costs.
+        ("dw1_contiguous", 2 * gemm, "wgrad",
+         lambda c: eg.weight_grad(dpre, x_rows, dw1_contiguous, plan, gather_a=False, gather_b=False, config=c),
+         lambda: (dw1_contiguous,), nothing),
+        # Diagnostic: the same dW1 as a gather plus torch._grouped_mm, checked against the kernel's.
+        ("dw1_grouped_mm", 2 * gemm, "torch", grouped_mm_dw1, lambda: tuple(dw1_grouped), nothing),
         ("dx", 2 * gemm, "row",
          lambda c: eg.row_gemm(dpre, fc1, grad_rows, plan, transpose_weight=False, gather_a=False, n=d, config=c),
          lambda: (grad_rows,), nothing),
     ], (x, fc1, rows)
 
 
-def dense_rate(rows, d, h, reps):
-    a = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(d, 2 * h, device="cuda", dtype=torch.bfloat16)
-    ms = time_op(lambda: torch.mm(a, b), lambda: None, reps)
-    return 2.0 * rows * d * 2 * h / ms / 1e9
+def dense_rate(rows, d, h, reps, experts=None):
+    """TFLOP/s of a dense bf16 [rows, d] @ [d, 2h]; with ``experts``, of dW1's problem in cuBLAS
+    instead: rows split evenly over the experts, [2h, rows/E] @ [rows/E, d] per expert, the left
+    operand read transposed as the weight-gradient kernel reads it."""
+    flops = 2.0 * rows * d * 2 * h
+    if experts is None:
+        a = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(d, 2 * h, device="cuda", dtype=torch.bfloat16)
+        return flops / time_op(lambda: torch.mm(a, b), lambda: None, reps) / 1e9
+    r = rows // experts
+    a = torch.randn(experts, r, 2 * h, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(experts, r, d, device="cuda", dtype=torch.bfloat16)
+    return 2.0 * experts * r * d * 2 * h / time_op(lambda: torch.bmm(a.transpose(1, 2), b), lambda: None, reps) / 1e9
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="conf4,qwen3,7b")
-    ap.add_argument("--ops", default="fc1_act,fc2,dh_act_bwd,dw2,dw1,dx")
+    ap.add_argument("--ops", default="fc1_act,fc2,dh_act_bwd,dw2,dw1,dx", help="comma list; also dw1_contiguous "
+                    "(dW1 with x already in expert order: the gather's cost by difference)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--configs", default="", help="comma list of label parts (e.g. '128x256,/s5'): time only "
                     "the candidate configs whose label contains one of them (default: all)")
@@ -166,24 +193,35 @@ def main(argv=None):
             print(f"time limit reached; skipping {shape}", flush=True)
             continue
         T, d, h, E, K = SHAPES[shape]
-        plan, ops, (_, _, rows) = layer_ops(T, d, h, E, K, seed=len(records) + 1)
+        plan, references, ops, (_, _, rows) = layer_ops(T, d, h, E, K, seed=len(records) + 1)
         peak = dense_rate(rows, d, h, args.reps)
-        print(f"== {shape} T={T} d={d} h={h} E={E} K={K}: dense bf16 mm {peak:.0f} TFLOP/s", flush=True)
+        wgrad_bmm = dense_rate(rows, d, h, args.reps, experts=E)
+        print(f"== {shape} T={T} d={d} h={h} E={E} K={K}: dense bf16 mm {peak:.0f} TFLOP/s; dW1 as a cuBLAS "
+              f"batched mm (even split, transposed operand) {wgrad_bmm:.0f}", flush=True)
         for name, flops, kind, launch, outputs, reset in ops:
             if name not in wanted:
                 continue
             reset()
-            launch(None)  # the autotuned launch is the reference result
-            ref = [t.clone() for t in outputs()]
-            if kind == "wgrad":
+            launch(None)  # the autotuned launch is the reference result, unless another op's is
+            ref = list(references.get(name, ())) or [t.clone() for t in outputs()]
+            if kind == "torch":
+                picked = "torch"
+            else:
+                picked = eg.config_label((eg._weight_grad_kernel if kind == "wgrad" else eg._row_gemm_kernel).best_config)
+            if kind == "torch":
+                candidates = []
+            elif kind == "wgrad":
                 candidates = [wgrad_config(*c) for c in WGRAD_CONFIGS]
             else:  # gated epilogues keep two accumulators or two pre halves: at most 128 columns
                 candidates = [row_config(*c) for c in ROW_CONFIGS if kind == "row" or c[1] <= 128]
-            candidates = [c for c in candidates if any(f in config_label(c) for f in args.configs.split(","))]
+            candidates = [c for c in candidates if any(f in eg.config_label(c) for f in args.configs.split(","))]
             # The autotuned launch itself, timed like the candidates, for comparison.
             for cfg in [None] + candidates:
-                label = "autotuned" if cfg is None else config_label(cfg)
-                rec = dict(shape=shape, op=name, config=label, T=T, d=d, h=h, E=E, K=K, dense_tflops=peak)
+                label = picked if kind == "torch" else "autotuned" if cfg is None else eg.config_label(cfg)
+                rec = dict(shape=shape, op=name, config=label, T=T, d=d, h=h, E=E, K=K, dense_tflops=peak,
+                           wgrad_bmm_tflops=wgrad_bmm)
+                if cfg is None:
+                    rec["picked"] = picked
                 try:
                     # Poison what the launch must overwrite (dH's pre is its input: reset restores it).
                     for t in outputs()[:1] if name == "dh_act_bwd" else outputs():
@@ -200,11 +238,12 @@ def main(argv=None):
 
                 records.append(rec)
                 previous = best.get((shape, name))
-                if cfg is not None and rec["ok"] and (previous is None or rec["ms"] < previous["ms"]):
+                if (cfg is not None or kind == "torch") and rec["ok"] and (previous is None or rec["ms"] < previous["ms"]):
                     best[(shape, name)] = rec
                 status = f"{rec['ms']:.3f} ms {rec['tflops']:.0f} TF/s err {rec['err']:.1e}" if rec["ms"] else rec["error"]
-                print(f"  {name:10s} {label:24s} {status}", flush=True)
-        del plan, ops
+                shown = label if cfg or kind == "torch" else "autotuned " + picked
+                print(f"  {name:14s} {shown:24s} {status}", flush=True)
+        del plan, ops, references
         torch.cuda.empty_cache()
     meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, command="python " + " ".join(sys.argv))
@@ -212,10 +251,13 @@ def main(argv=None):
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "tune_kernels.json"), "w") as f:
             json.dump(dict(meta=meta, records=records), f, indent=1)
-    print("\nbest per op (ms, TFLOP/s, % of dense mm):")
+    print("\nbest per op (ms, TFLOP/s, % of dense mm), and the autotuner's pick:")
+    tuned = {(r["shape"], r["op"]): r for r in records if r["config"] == "autotuned"}
     for (shape, name), r in best.items():
-        print(f"{shape:6s} {name:10s} {r['config']:24s} {r['ms']:8.3f} {r['tflops']:5.0f} {100 * r['tflops'] / r['dense_tflops']:4.0f}%")
-
+        t = tuned.get((shape, name), {})
+        pick = f"{t['ms']:8.3f} {t['picked']}" if t.get("ms") else "-"
+        print(f"{shape:6s} {name:10s} {r['config']:24s} {r['ms']:8.3f} {r['tflops']:5.0f} "
+              f"{100 * r['tflops'] / r['dense_tflops']:4.0f}%  autotuned {pick}")
 
 if __name__ == "__main__":
     main()

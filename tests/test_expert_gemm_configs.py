@@ -52,3 +52,18 @@ def test_autotune_switch_refuses_other_values(gpu_lists, monkeypatch):
     monkeypatch.setenv("MOEBLAZE_AUTOTUNE", "false")
     with pytest.raises(ValueError, match="MOEBLAZE_AUTOTUNE must be 0 or 1, got 'false'"):
         eg._row_gemm_configs()
+
+
+def test_config_labels_and_the_autotuners_picks(monkeypatch):
+    import triton
+
+    row = triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4)
+    wgrad = triton.Config({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8, num_stages=5)
+    assert eg.config_label(row) == "128x256x64/g8/w8/s4"
+    assert eg.config_label(wgrad) == "256x128x32/g-/w8/s5"
+    monkeypatch.setattr(eg._row_gemm_kernel, "cache", {(768, 2048): row})
+    monkeypatch.setattr(eg._weight_grad_kernel, "cache", {(2048, 1536): wgrad})
+    assert eg.autotune_picks() == {
+        "_row_gemm_kernel(768, 2048)": "128x256x64/g8/w8/s4",
+        "_weight_grad_kernel(2048, 1536)": "256x128x32/g-/w8/s5",
+    }

@@ -315,6 +315,20 @@ def _weight_grad_kernel(
     tl.store(c_ptrs, to_storage(acc, c_ptr.dtype.element_ty, MEND_BF16), mask=m_ok[:, None] & n_ok[None, :])
 
 
+def config_label(config) -> str:
+    """``BLOCK_MxBLOCK_NxBLOCK_K/gGROUP_M/wWARPS/sSTAGES`` of a tile config (``g-``: no grouping)."""
+    kw = config.kwargs
+    return (f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}/g{kw.get('GROUP_M', '-')}"
+            f"/w{config.num_warps}/s{config.num_stages}")
+
+
+def autotune_picks() -> dict[str, str]:
+    """The config the autotuner chose for every shape key tuned so far in this process, by
+    ``kernel(key)``: which tiles a benchmark actually ran."""
+    return {f"{kernel.base_fn.__name__}{key}": config_label(config)
+            for kernel in (_row_gemm_kernel, _weight_grad_kernel) for key, config in kernel.cache.items()}
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
