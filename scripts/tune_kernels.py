@@ -1,12 +1,16 @@
-"""Time every expert-GEMM launch of one SwiGLU MoE layer, config by config, on the GPU.
+"""Time every expert-GEMM launch of one MoE layer, config by config, on the GPU.
 
-The layer's forward+backward runs six grouped GEMMs (fc1 with the activation, fc2, dH with the
-activation backward, dW2, dW1, dX). For each, this script launches the kernel with each candidate
-``triton.Config`` (bypassing the autotuner), checks the result against the autotuned launch, and
-reports ms and TFLOP/s next to a dense torch.mm of the same size measured in the same run, so a
-config list can be chosen from numbers rather than guesses.
+The layer's forward+backward (SwiGLU, or --activation silu / gelu) runs six grouped GEMMs (fc1
+with the activation, fc2, dH with the activation backward, dW2, dW1, dX). For each, this script
+launches the kernel with each candidate ``triton.Config`` (bypassing the autotuner), checks the
+result against the autotuned launch, and reports ms and TFLOP/s next to a dense torch.mm of the
+same size measured in the same run, so a config list can be chosen from numbers rather than
+guesses. Diagnostic ops: dw1_contiguous (dW1 without the gather), dw1_grouped_mm (a gather plus
+torch._grouped_mm, checked against the kernel's dW1) and dw1_tma / dw2_tma (the expert-order
+operand through a ragged TMA descriptor, an experiment).
 
     python scripts/tune_kernels.py --shapes conf4,qwen3,7b --out /tmp/tune
+    python scripts/tune_kernels.py --shapes conf6 --activation silu --ops fc1_act,dh_act_bwd
 """
 
 from __future__ import annotations
@@ -21,18 +25,13 @@ import time
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [SCRIPTS, os.path.join(SCRIPTS, "..")]  # bench_layer beside it, the package above
 
+from bench_layer import ALIASES, CONFIGS  # noqa: E402  (one table of layer shapes for both scripts)
 from moeblaze_megatron import build_routing_plan  # noqa: E402
 from moeblaze_megatron.kernels import expert_gemm as eg  # noqa: E402
 
-SHAPES = {  # (T, d, h, E, K), as in bench_layer.py
-    "conf3": (16 * 1024, 1024, 4096, 16, 4),
-    "conf4": (32 * 1024, 2048, 8192, 16, 4),
-    "qwen3": (32768, 2048, 768, 128, 8),
-    "7b": (24576, 1536, 256, 128, 8),
-    "dsv3": (8192, 7168, 2048, 256, 8),
-}
 ROW_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
     (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 5),
     (128, 128, 64, 4, 8, 4), (128, 128, 64, 16, 8, 4), (128, 128, 64, 8, 4, 4),
@@ -56,6 +55,10 @@ def wgrad_config(bm, bn, bk, w, s):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
 
 
+# The TMA weight-gradient experiment has no autotuned launch: this config stands in for it.
+TMA_DEFAULT = wgrad_config(256, 128, 64, 8, 4)
+
+
 def rel_err(a, b):
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -75,23 +78,24 @@ def time_op(fn, reset, reps):
     return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[reps // 2]
 
 
-def layer_ops(T, d, h, E, K, seed, dev="cuda"):
+def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
     """The plan, {op: the tensors its result is checked against, where not its own autotuned
-    launch}, and the six launches of a SwiGLU layer (plus the diagnostic ones) as
+    launch}, and the six launches of one layer (plus the diagnostic ones) as
     (name, flops, kind, launch(config), outputs(), reset())."""
     g = torch.Generator(device=dev).manual_seed(seed)
     bf = torch.bfloat16
+    width = 2 * h if activation == "swiglu" else h  # fc1's output columns: gate | up, or h
     x = torch.randn(T, d, device=dev, dtype=bf, generator=g)
-    fc1 = torch.randn(E, 2 * h, d, device=dev, dtype=bf, generator=g) * d**-0.5
+    fc1 = torch.randn(E, width, d, device=dev, dtype=bf, generator=g) * d**-0.5
     fc2 = torch.randn(E, d, h, device=dev, dtype=bf, generator=g) * h**-0.5
     dy = torch.randn(T, d, device=dev, dtype=bf, generator=g)
     ids = torch.rand(T, E, device=dev, generator=g).topk(K, dim=1).indices
     probs = torch.rand(T, K, device=dev, generator=g).to(bf)
     plan = build_routing_plan(ids, E)
     rows = T * K
-    pre = x.new_empty(rows, 2 * h)
+    pre = x.new_empty(rows, width)
     hid = x.new_empty(rows, h)
-    eg.row_gemm(x, fc1, hid, plan, transpose_weight=True, epilogue=eg.EPI_ACT_FWD, activation="swiglu",
+    eg.row_gemm(x, fc1, hid, plan, transpose_weight=True, epilogue=eg.EPI_ACT_FWD, activation=activation,
                 gather_a=True, pre=pre, n=h)
     pre_saved = pre.clone()
     expert_out = x.new_empty(rows, d)
@@ -100,7 +104,7 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda"):
     ds = torch.zeros(rows, eg.row_gemm_ds_tiles(h), dtype=torch.float32, device=dev)
     dpre = pre.clone()
     eg.row_gemm(dy, fc2, h_scaled, plan, transpose_weight=False, epilogue=eg.EPI_ACT_BWD,
-                activation="swiglu", gather_a=True, pre=dpre, probs_sorted=probs_sorted, ds_partial=ds, n=h)
+                activation=activation, gather_a=True, pre=dpre, probs_sorted=probs_sorted, ds_partial=ds, n=h)
     x_rows = torch.randn(rows, d, device=dev, dtype=bf, generator=g)
     dw1 = torch.empty_like(fc1)
     dw1_contiguous = torch.empty_like(fc1)
@@ -123,66 +127,83 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda"):
 
     dw1_kernel = torch.empty_like(fc1)
     eg.weight_grad(dpre, x, dw1_kernel, plan, gather_a=False, gather_b=True)
+    dw2_kernel = torch.empty_like(fc2)
+    eg.weight_grad(dy, h_scaled, dw2_kernel, plan, gather_a=True, gather_b=False)
+    dw1_tma, dw2_tma = torch.empty_like(fc1), torch.empty_like(fc2)
     gemm = 2.0 * rows * d * h
-    references = {"dw1_grouped_mm": (dw1_kernel,)}
+    gemm1 = 2.0 * rows * d * width  # fc1, dW1 and dX
+    references = {"dw1_grouped_mm": (dw1_kernel,), "dw1_tma": (dw1_kernel,), "dw2_tma": (dw2_kernel,)}
     return plan, references, [
-        ("fc1_act", 2 * gemm, "row_glu",
+        ("fc1_act", gemm1, "row_glu" if activation == "swiglu" else "row",
          lambda c: eg.row_gemm(x, fc1, hid, plan, transpose_weight=True, epilogue=eg.EPI_ACT_FWD,
-                               activation="swiglu", gather_a=True, pre=pre, n=h, config=c),
+                               activation=activation, gather_a=True, pre=pre, n=h, config=c),
          lambda: (hid, pre), nothing),
         ("fc2", gemm, "row",
          lambda c: eg.row_gemm(hid, fc2, expert_out, plan, transpose_weight=True, gather_a=False, n=d, config=c),
          lambda: (expert_out,), nothing),
-        ("dh_act_bwd", gemm, "row_glu_bwd",
+        ("dh_act_bwd", gemm, "row_act_bwd",
          lambda c: eg.row_gemm(dy, fc2, h_scaled, plan, transpose_weight=False, epilogue=eg.EPI_ACT_BWD,
-                               activation="swiglu", gather_a=True, pre=pre, probs_sorted=probs_sorted,
+                               activation=activation, gather_a=True, pre=pre, probs_sorted=probs_sorted,
                                ds_partial=ds, n=h, config=c),
          lambda: (h_scaled, pre, ds.sum(1)), restore_pre),
         ("dw2", gemm, "wgrad",
          lambda c: eg.weight_grad(dy, h_scaled, dw2, plan, gather_a=True, gather_b=False, config=c),
          lambda: (dw2,), nothing),
-        ("dw1", 2 * gemm, "wgrad",
+        ("dw1", gemm1, "wgrad",
          lambda c: eg.weight_grad(dpre, x, dw1, plan, gather_a=False, gather_b=True, config=c),
          lambda: (dw1,), nothing),
         # Diagnostic: dW1 with its x operand already in expert order (x_rows), no gather; the
         # difference to dw1 is what gathering the rows costs.
-        ("dw1_contiguous", 2 * gemm, "wgrad",
+        ("dw1_contiguous", gemm1, "wgrad",
          lambda c: eg.weight_grad(dpre, x_rows, dw1_contiguous, plan, gather_a=False, gather_b=False, config=c),
          lambda: (dw1_contiguous,), nothing),
         # Diagnostic: the same dW1 as a gather plus torch._grouped_mm, checked against the kernel's.
-        ("dw1_grouped_mm", 2 * gemm, "torch", grouped_mm_dw1, lambda: tuple(dw1_grouped), nothing),
-        ("dx", 2 * gemm, "row",
+        ("dw1_grouped_mm", gemm1, "torch", grouped_mm_dw1, lambda: tuple(dw1_grouped), nothing),
+        # Experiment: dW1 and dW2 with the expert-order operand through a ragged TMA descriptor
+        # (explicit configs only; bitwise the kernel's result).
+        ("dw1_tma", gemm1, "wgrad_tma",
+         lambda c: eg.weight_grad(dpre, x, dw1_tma, plan, gather_a=False, gather_b=True, config=c or TMA_DEFAULT,
+                                  tma=True),
+         lambda: (dw1_tma,), nothing),
+        ("dw2_tma", gemm, "wgrad_tma",
+         lambda c: eg.weight_grad(dy, h_scaled, dw2_tma, plan, gather_a=True, gather_b=False, config=c or TMA_DEFAULT,
+                                  tma=True),
+         lambda: (dw2_tma,), nothing),
+        ("dx", gemm1, "row",
          lambda c: eg.row_gemm(dpre, fc1, grad_rows, plan, transpose_weight=False, gather_a=False, n=d, config=c),
          lambda: (grad_rows,), nothing),
     ], (x, fc1, rows)
 
 
-def dense_rate(rows, d, h, reps, experts=None):
-    """TFLOP/s of a dense bf16 [rows, d] @ [d, 2h]; with ``experts``, of dW1's problem in cuBLAS
-    instead: rows split evenly over the experts, [2h, rows/E] @ [rows/E, d] per expert, the left
-    operand read transposed as the weight-gradient kernel reads it."""
-    flops = 2.0 * rows * d * 2 * h
+def dense_rate(rows, d, n, reps, experts=None):
+    """TFLOP/s of a dense bf16 [rows, d] @ [d, n] (n: fc1's output columns); with ``experts``, of
+    dW1's problem in cuBLAS instead: rows split evenly over the experts, [n, rows/E] @ [rows/E, d]
+    per expert, the left operand read transposed as the weight-gradient kernel reads it."""
     if experts is None:
         a = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(d, 2 * h, device="cuda", dtype=torch.bfloat16)
-        return flops / time_op(lambda: torch.mm(a, b), lambda: None, reps) / 1e9
+        b = torch.randn(d, n, device="cuda", dtype=torch.bfloat16)
+        return 2.0 * rows * d * n / time_op(lambda: torch.mm(a, b), lambda: None, reps) / 1e9
     r = rows // experts
-    a = torch.randn(experts, r, 2 * h, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(experts, r, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(experts, r, d, device="cuda", dtype=torch.bfloat16)
-    return 2.0 * experts * r * d * 2 * h / time_op(lambda: torch.bmm(a.transpose(1, 2), b), lambda: None, reps) / 1e9
+    return 2.0 * experts * r * d * n / time_op(lambda: torch.bmm(a.transpose(1, 2), b), lambda: None, reps) / 1e9
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="conf4,qwen3,7b")
-    ap.add_argument("--ops", default="fc1_act,fc2,dh_act_bwd,dw2,dw1,dx", help="comma list; also dw1_contiguous "
-                    "(dW1 with x already in expert order: the gather's cost by difference)")
+    ap.add_argument("--ops", default="fc1_act,fc2,dh_act_bwd,dw2,dw1,dx",
+                    help="comma list; also the diagnostic dw1_contiguous, dw1_grouped_mm, dw1_tma, dw2_tma")
+    ap.add_argument("--activation", default="swiglu", choices=sorted(eg.ACTIVATION_IDS))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--configs", default="", help="comma list of label parts (e.g. '128x256,/s5'): time only "
                     "the candidate configs whose label contains one of them (default: all)")
     ap.add_argument("--time-limit", type=float, default=400.0, help="seconds; stops starting new shapes after")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    unknown = [s for s in args.shapes.split(",") if ALIASES.get(s, s) not in CONFIGS]
+    if unknown:
+        sys.exit(f"--shapes: unknown {unknown}; known: {', '.join([*CONFIGS, *ALIASES])}")
     if not torch.cuda.is_available():
         sys.exit("tune_kernels.py needs a CUDA GPU")
     t_start = time.time()
@@ -192,11 +213,12 @@ def main(argv=None):
         if time.time() - t_start > args.time_limit:
             print(f"time limit reached; skipping {shape}", flush=True)
             continue
-        T, d, h, E, K = SHAPES[shape]
-        plan, references, ops, (_, _, rows) = layer_ops(T, d, h, E, K, seed=len(records) + 1)
-        peak = dense_rate(rows, d, h, args.reps)
-        wgrad_bmm = dense_rate(rows, d, h, args.reps, experts=E)
-        print(f"== {shape} T={T} d={d} h={h} E={E} K={K}: dense bf16 mm {peak:.0f} TFLOP/s; dW1 as a cuBLAS "
+        T, d, h, E, K = CONFIGS[ALIASES.get(shape, shape)]
+        plan, references, ops, (_, fc1, rows) = layer_ops(T, d, h, E, K, seed=len(records) + 1,
+                                                          activation=args.activation)
+        peak = dense_rate(rows, d, fc1.shape[1], args.reps)
+        wgrad_bmm = dense_rate(rows, d, fc1.shape[1], args.reps, experts=E)
+        print(f"== {shape} {args.activation} T={T} d={d} h={h} E={E} K={K}: dense bf16 mm {peak:.0f} TFLOP/s; dW1 as a cuBLAS "
               f"batched mm (even split, transposed operand) {wgrad_bmm:.0f}", flush=True)
         for name, flops, kind, launch, outputs, reset in ops:
             if name not in wanted:
@@ -206,20 +228,22 @@ def main(argv=None):
             ref = list(references.get(name, ())) or [t.clone() for t in outputs()]
             if kind == "torch":
                 picked = "torch"
+            elif kind == "wgrad_tma":
+                picked = "default " + eg.config_label(TMA_DEFAULT)
             else:
                 picked = eg.config_label((eg._weight_grad_kernel if kind == "wgrad" else eg._row_gemm_kernel).best_config)
             if kind == "torch":
                 candidates = []
-            elif kind == "wgrad":
+            elif kind in ("wgrad", "wgrad_tma"):
                 candidates = [wgrad_config(*c) for c in WGRAD_CONFIGS]
-            else:  # gated epilogues keep two accumulators or two pre halves: at most 128 columns
+            else:  # the SwiGLU forward and every activation backward run at most 128 columns
                 candidates = [row_config(*c) for c in ROW_CONFIGS if kind == "row" or c[1] <= 128]
             candidates = [c for c in candidates if any(f in eg.config_label(c) for f in args.configs.split(","))]
             # The autotuned launch itself, timed like the candidates, for comparison.
             for cfg in [None] + candidates:
                 label = picked if kind == "torch" else "autotuned" if cfg is None else eg.config_label(cfg)
-                rec = dict(shape=shape, op=name, config=label, T=T, d=d, h=h, E=E, K=K, dense_tflops=peak,
-                           wgrad_bmm_tflops=wgrad_bmm)
+                rec = dict(shape=shape, activation=args.activation, op=name, config=label, T=T, d=d, h=h, E=E, K=K,
+                           dense_tflops=peak, wgrad_bmm_tflops=wgrad_bmm)
                 if cfg is None:
                     rec["picked"] = picked
                 try:
@@ -241,9 +265,9 @@ def main(argv=None):
                 if (cfg is not None or kind == "torch") and rec["ok"] and (previous is None or rec["ms"] < previous["ms"]):
                     best[(shape, name)] = rec
                 status = f"{rec['ms']:.3f} ms {rec['tflops']:.0f} TF/s err {rec['err']:.1e}" if rec["ms"] else rec["error"]
-                shown = label if cfg or kind == "torch" else "autotuned " + picked
+                shown = label if cfg or kind == "torch" else picked if kind == "wgrad_tma" else "autotuned " + picked
                 print(f"  {name:14s} {shown:24s} {status}", flush=True)
-        del plan, ops, references
+        del plan, ops, references, fc1
         torch.cuda.empty_cache()
     meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, command="python " + " ".join(sys.argv))

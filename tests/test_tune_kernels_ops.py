@@ -1,5 +1,6 @@
 """scripts/tune_kernels.py's launches, run once each on the CPU (Triton interpreted, bfloat16, a
-tiny layer): every op computes what its name says, so the GPU-only script cannot rot unseen."""
+tiny layer, SwiGLU and SiLU): every op computes what its name says, so the GPU-only script cannot
+rot unseen."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.fixture(scope="module")
-def layer():
-    plan, references, ops, (x, fc1, rows) = tune_kernels.layer_ops(T, D, H, E, K, seed=3, dev="cpu")
+@pytest.fixture(scope="module", params=["swiglu", "silu"])
+def layer(request):
+    plan, references, ops, (x, fc1, rows) = tune_kernels.layer_ops(T, D, H, E, K, seed=3, dev="cpu",
+                                                                   activation=request.param)
+    assert fc1.shape[1] == (2 * H if request.param == "swiglu" else H)
     return plan, references, {op[0]: op for op in ops}, x
 
 
@@ -35,7 +38,8 @@ def _run(ops, name):
 
 def test_every_op_writes_finite_outputs(layer):
     _, _, ops, _ = layer
-    assert {"fc1_act", "fc2", "dh_act_bwd", "dw2", "dw1", "dw1_contiguous", "dw1_grouped_mm", "dx"} <= set(ops)
+    assert {"fc1_act", "fc2", "dh_act_bwd", "dw2", "dw1", "dw1_contiguous", "dw1_grouped_mm", "dw1_tma", "dw2_tma",
+            "dx"} <= set(ops)
     for name in ops:
         if name == "dw1_grouped_mm":
             continue  # returns a fresh tensor; checked below
@@ -55,3 +59,14 @@ def test_weight_gradient_ops_agree_with_a_float64_reduction(layer):
     grouped_mm = _run(ops, "dw1_grouped_mm")[0]
     assert grouped_mm.shape == dw1.shape
     assert _rel(grouped_mm, references["dw1_grouped_mm"][0]) < 1e-2
+
+
+def test_tma_experiments_give_the_kernels_bits(layer):
+    _, references, ops, _ = layer
+    for tma_op, plain_op in (("dw1_tma", "dw1"), ("dw2_tma", "dw2")):
+        plain = ops[plain_op]
+        for t in plain[4]():
+            t.fill_(float("nan"))
+        plain[3](tune_kernels.TMA_DEFAULT)  # the same tile as the experiment's default launch
+        assert torch.equal(_run(ops, tma_op)[0], plain[4]()[0]), tma_op
+        assert _rel(_run(ops, tma_op)[0], references[tma_op][0]) < 1e-2

@@ -24,6 +24,7 @@ import os
 
 import triton
 import triton.language as tl
+from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
 
 from .numerics import dot, dot_flags, interpreting, to_storage
 
@@ -275,19 +276,20 @@ def _weight_grad_configs():
     ]
 
 
-@triton.autotune(configs=_weight_grad_configs(), key=["M", "N", "E", "rows_bucket", "GATHER_A", "GATHER_B"])
+@triton.autotune(configs=_weight_grad_configs(), key=["M", "N", "E", "rows_bucket", "GATHER_A", "GATHER_B", "TMA"])
 @triton.jit
 def _weight_grad_kernel(
     a_ptr, b_ptr, c_ptr, token_idx_ptr, offsets_ptr,
     rows_bucket, M, N, E,
     stride_am, stride_bm, stride_ce, stride_cm,
-    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, MEND_BF16: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TMA: tl.constexpr, MEND_BF16: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """c[e, m, n] = sum over rows r of expert e of A[srcA(r), m] * B[srcB(r), n].
 
     A and B have unit column stride; ``src`` is the token id (GATHER_*) or r. Experts with no rows
-    get zeros.
+    get zeros. ``TMA``: the operand that is not gathered is a ragged TMA descriptor (rows past the
+    expert's read as zeros by the hardware) instead of a pointer.
     """
     pid_mn = tl.program_id(0)
     e = tl.program_id(1)
@@ -306,10 +308,18 @@ def _weight_grad_kernel(
         r_ok = rows < hi
         if GATHER_A or GATHER_B:
             tok = tl.load(token_idx_ptr + rows, mask=r_ok, other=0).to(tl.int64)
-        src_a = tok if GATHER_A else rows.to(tl.int64)
-        src_b = tok if GATHER_B else rows.to(tl.int64)
-        a = tl.load(a_ptr + src_a[None, :] * stride_am + ms[:, None], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        b = tl.load(b_ptr + src_b[:, None] * stride_bm + ns[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        if TMA and not GATHER_A:
+            a = tl.trans(load_ragged(a_ptr, lo, hi - lo, [r0 - lo, pid_m * BLOCK_M]))
+        else:
+            src_a = tok if GATHER_A else rows.to(tl.int64)
+            a = tl.load(a_ptr + src_a[None, :] * stride_am + ms[:, None], mask=m_ok[:, None] & r_ok[None, :],
+                        other=0.0)
+        if TMA and not GATHER_B:
+            b = load_ragged(b_ptr, lo, hi - lo, [r0 - lo, pid_n * BLOCK_N])
+        else:
+            src_b = tok if GATHER_B else rows.to(tl.int64)
+            b = tl.load(b_ptr + src_b[:, None] * stride_bm + ns[None, :], mask=r_ok[:, None] & n_ok[None, :],
+                        other=0.0)
         acc = dot(a, b, acc, MEND_BF16, PRECISION)
     c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + ms[:, None].to(tl.int64) * stride_cm + ns[None, :]
     tl.store(c_ptrs, to_storage(acc, c_ptr.dtype.element_ty, MEND_BF16), mask=m_ok[:, None] & n_ok[None, :])
@@ -380,17 +390,29 @@ def row_gemm_ds_tiles(n: int) -> int:
     return triton.cdiv(n, smallest)
 
 
-def weight_grad(a, b, out, plan, *, gather_a, gather_b, config=None):
-    """out[e] = A[rows(e)]^T @ B[rows(e)] for every expert; out is [E, M, N]."""
+def weight_grad(a, b, out, plan, *, gather_a, gather_b, config=None, tma=False):
+    """out[e] = A[rows(e)]^T @ B[rows(e)] for every expert; out is [E, M, N].
+
+    ``tma``: read the operand in expert order through a ragged TMA descriptor. An experiment
+    (benchmarks/NOTES.md), timed by scripts/tune_kernels.py; it takes an explicit ``config``,
+    whose tile shape the descriptor's box must match, and exactly one gathered operand."""
     m_dim, n_dim = a.shape[1], b.shape[1]
     num_experts = plan.num_experts
     mend, precision = dot_flags(a.dtype)
     rows_total = plan.expert_token_indices.shape[0]
     grid = lambda meta: (triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]), num_experts)
+    strides = (a.stride(0), b.stride(0), out.stride(0), out.stride(1))
+    if tma:
+        if config is None or gather_a == gather_b:
+            raise ValueError("weight_grad(tma=True) takes an explicit config and exactly one gathered operand")
+        kw = config.kwargs
+        if gather_b:
+            a = create_ragged_descriptor(a, [kw["BLOCK_K"], kw["BLOCK_M"]])
+        else:
+            b = create_ragged_descriptor(b, [kw["BLOCK_K"], kw["BLOCK_N"]])
     args = (
         a, b, out, plan.expert_token_indices, plan.expert_token_offsets,
-        _next_pow2(rows_total), m_dim, n_dim, num_experts,
-        a.stride(0), b.stride(0), out.stride(0), out.stride(1),
+        _next_pow2(rows_total), m_dim, n_dim, num_experts, *strides,
     )
-    constexprs = dict(GATHER_A=gather_a, GATHER_B=gather_b, MEND_BF16=mend, PRECISION=precision)
+    constexprs = dict(GATHER_A=gather_a, GATHER_B=gather_b, TMA=tma, MEND_BF16=mend, PRECISION=precision)
     _launch(_weight_grad_kernel, grid, args, constexprs, config)

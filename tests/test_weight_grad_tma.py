@@ -1,0 +1,87 @@
+"""The weight-gradient kernel's TMA variant (the expert-order operand through a ragged TMA
+descriptor; an experiment timed by scripts/tune_kernels.py) against its pointer-load form and a
+float64 reduction, under the interpreter: every expert's rows and none of its neighbours'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+from moeblaze_megatron import build_routing_plan
+from moeblaze_megatron.kernels import expert_gemm as eg
+
+CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4)
+
+
+def _routing(num_tokens, num_experts, topk, kind, gen):
+    if kind == "one_expert_empty":
+        ids = torch.rand(num_tokens, num_experts - 1, generator=gen).topk(topk, dim=1).indices
+        return ids + (ids >= 2).long()  # expert 2 gets nothing
+    if kind == "all_on_one":
+        return (torch.arange(topk).repeat(num_tokens, 1) + 1) % num_experts
+    return torch.rand(num_tokens, num_experts, generator=gen).topk(topk, dim=1).indices
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["random", "one_expert_empty", "all_on_one"])
+@pytest.mark.parametrize("gathered", ["a", "b"])
+def test_tma_variant_matches_pointer_loads_and_float64(dtype, kind, gathered):
+    gen = torch.Generator().manual_seed(hash((str(dtype), kind, gathered)) % 2**31)
+    T, E, K, M, N = 37, 5, 2, 40, 24  # rows per expert and widths not multiples of the tile
+    ids = _routing(T, E, K, kind, gen)
+    plan = build_routing_plan(ids, E)
+    rows = T * K
+    tokens = torch.randn(T, M if gathered == "a" else N, generator=gen).to(dtype)
+    ordered = torch.randn(rows, N if gathered == "a" else M, generator=gen).to(dtype)
+    a, b = (tokens, ordered) if gathered == "a" else (ordered, tokens)
+    flags = dict(gather_a=gathered == "a", gather_b=gathered == "b")
+    outs = []
+    for tma in (False, True):
+        out = torch.full((E, M, N), float("nan"), dtype=dtype)
+        eg.weight_grad(a, b, out, plan, config=CONFIG, tma=tma, **flags)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    idx = plan.expert_token_indices.long()
+    lo_hi = plan.expert_token_offsets.tolist()
+    a64 = a.double()[idx] if gathered == "a" else a.double()
+    b64 = b.double()[idx] if gathered == "b" else b.double()
+    expected = torch.stack([a64[lo:hi].T @ b64[lo:hi] for lo, hi in zip(lo_hi[:-1], lo_hi[1:])])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ((outs[1].double() - expected).norm() / expected.norm()).item() < tol
+    if kind == "one_expert_empty":
+        assert torch.equal(outs[1][2], torch.zeros(M, N, dtype=dtype))
+
+
+def test_tma_variant_refuses_autotuning_and_two_gathers():
+    plan = build_routing_plan(torch.tensor([[0], [1]]), 2)
+    x = torch.randn(2, 16)
+    out = torch.empty(2, 16, 16)
+    with pytest.raises(ValueError, match="explicit config and exactly one gathered operand"):
+        eg.weight_grad(x, x, out, plan, gather_a=True, gather_b=False, tma=True)
+    with pytest.raises(ValueError, match="explicit config and exactly one gathered operand"):
+        eg.weight_grad(x, x, out, plan, gather_a=True, gather_b=True, config=CONFIG, tma=True)
+
+
+@pytest.mark.parametrize("gathered", ["a", "b"])
+def test_tma_variant_reads_no_row_of_the_next_expert(gathered):
+    # NaN in expert 3's rows must stay in expert 3: a TMA box reaching past an expert's last row
+    # would multiply them by the zero-masked rows of the gathered operand and spread NaN.
+    gen = torch.Generator().manual_seed(7)
+    T, E, K, M, N = 29, 6, 2, 24, 40
+    # Token t goes to experts t % E and (t + 1) % E: 9-10 rows each, so one row tile (16) holds a
+    # whole expert and any row past its end would be the next expert's.
+    t = torch.arange(T)
+    plan = build_routing_plan(torch.stack([t % E, (t + 1) % E], dim=1), E)
+    counts = plan.expert_token_offsets.diff()
+    assert ((counts > 0) & (counts < CONFIG.kwargs["BLOCK_K"])).all()
+    lo, hi = plan.expert_token_offsets[3].item(), plan.expert_token_offsets[4].item()
+    tokens = torch.randn(T, M if gathered == "a" else N, generator=gen)
+    ordered = torch.randn(T * K, N if gathered == "a" else M, generator=gen)
+    ordered[lo:hi] = float("nan")
+    a, b = (tokens, ordered) if gathered == "a" else (ordered, tokens)
+    out = torch.full((E, M, N), float("nan"))
+    eg.weight_grad(a, b, out, plan, gather_a=gathered == "a", gather_b=gathered == "b", config=CONFIG, tma=True)
+    others = [e for e in range(E) if e != 3]
+    assert torch.isfinite(out[others]).all()
+    assert torch.isnan(out[3]).all()
