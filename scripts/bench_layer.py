@@ -55,6 +55,8 @@ CONFIGS = {
 }
 ALIASES = {"conf2": "conf2(filled)", "conf5": "conf5(filled)", "conf6": "conf6(filled)",
            "conf7": "conf7(filled)", "qwen3": "qwen3-30b-like", "7b": "7b-fine-grained", "dsv3": "dsv3-like"}
+# Environment variables that change what moeblaze runs; recorded with the results.
+ENV_KNOBS = ("MOEBLAZE_AUTOTUNE", "MOEBLAZE_WGRAD_TMA", "TRITON_CACHE_AUTOTUNING")
 IMPLS = ("moeblaze", "moeblaze_fc1", "grouped_mm", "megatron_sequential", "megablocks", "liger", "scattermoe")
 CHECK_TOKENS = 2048
 # An illegal memory access kills the whole process, so a peer known to crash on a shape is skipped.
@@ -544,7 +546,8 @@ def main(argv=None):
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command="python " + " ".join(sys.argv))
+                command="python " + " ".join(sys.argv),
+                env={k: os.environ[k] for k in ENV_KNOBS if k in os.environ})
     started = time.perf_counter()
     peak = matmul_peak(device)
     meta["matmul_peak_tflops"] = peak
@@ -674,7 +677,7 @@ def markdown_table(meta, notes, records):
         "",
         f"{meta['date']} on {meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}; "
         f"dense bf16 matmul in the same run: {meta['matmul_peak_tflops']:.0f} TFLOP/s.",
-        f"Command: `{meta['command']}`",
+        f"Command: `{meta['command']}`" + "".join(f" with {k}={v}" for k, v in meta.get("env", {}).items()),
         "",
         "host ms: how long the forward+backward call took to return on the host (its launches and any "
         "synchronization); where it nears fwd+bwd ms the GPU waits on the host.",

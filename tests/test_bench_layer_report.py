@@ -19,7 +19,7 @@ def _record(impl, ms, **extra):
 
 def test_report_only_rewrites_the_table(tmp_path):
     meta = dict(gpu="test GPU", torch="t", triton="t", date="2026-11-29", command="python scripts/bench_layer.py",
-                matmul_peak_tflops=500.0)
+                matmul_peak_tflops=500.0, env={"MOEBLAZE_WGRAD_TMA": "1"})
     records = [
         _record("moeblaze", 5.0, host_ms_fwdbwd=1.25),
         _record("grouped_mm", 10.0),  # a record from before host time was measured
@@ -43,3 +43,4 @@ def test_report_only_rewrites_the_table(tmp_path):
     assert rows["liger"][-1].strip("| ") == "OOM"
     assert len(rows["liger"]) == len(header)
     assert "megablocks: not run" in table
+    assert "Command: `python scripts/bench_layer.py` with MOEBLAZE_WGRAD_TMA=1" in table

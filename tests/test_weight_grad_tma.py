@@ -4,11 +4,15 @@ float64 reduction, under the interpreter: every expert's rows and none of its ne
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import triton
 
-from moeblaze_megatron import build_routing_plan
+from moeblaze_megatron import build_routing_plan, moe_mlp
 from moeblaze_megatron.kernels import expert_gemm as eg
 
 CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4)
@@ -53,14 +57,15 @@ def test_tma_variant_matches_pointer_loads_and_float64(dtype, kind, gathered):
         assert torch.equal(outs[1][2], torch.zeros(M, N, dtype=dtype))
 
 
-def test_tma_variant_refuses_autotuning_and_two_gathers():
+def test_tma_variant_refuses_two_gathers_and_untuned_boxes():
     plan = build_routing_plan(torch.tensor([[0], [1]]), 2)
     x = torch.randn(2, 16)
     out = torch.empty(2, 16, 16)
-    with pytest.raises(ValueError, match="explicit config and exactly one gathered operand"):
-        eg.weight_grad(x, x, out, plan, gather_a=True, gather_b=False, tma=True)
-    with pytest.raises(ValueError, match="explicit config and exactly one gathered operand"):
+    with pytest.raises(ValueError, match="needs exactly one gathered operand"):
         eg.weight_grad(x, x, out, plan, gather_a=True, gather_b=True, config=CONFIG, tma=True)
+    assert not eg.WGRAD_TMA  # the suite runs with the default
+    with pytest.raises(ValueError, match="without a config needs MOEBLAZE_WGRAD_TMA=1 at import"):
+        eg.weight_grad(x, x, out, plan, gather_a=True, gather_b=False, tma=True)
 
 
 @pytest.mark.parametrize("gathered", ["a", "b"])
@@ -85,3 +90,41 @@ def test_tma_variant_reads_no_row_of_the_next_expert(gathered):
     others = [e for e in range(E) if e != 3]
     assert torch.isfinite(out[others]).all()
     assert torch.isnan(out[3]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_with_tma_weight_gradients_is_bitwise_the_default(monkeypatch, dtype):
+    # MOEBLAZE_WGRAD_TMA=1 as set at import: the flag, and the configs' pre-hook that sizes the box.
+    gen = torch.Generator().manual_seed(11)
+    T, d, h, E, K = 33, 32, 24, 6, 3
+    x = torch.randn(T, d, generator=gen).to(dtype)
+    ids = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
+    probs = torch.rand(T, K, generator=gen).to(dtype)
+    fc1 = (torch.randn(E, 2 * h, d, generator=gen) * d**-0.5).to(dtype)
+    fc2 = (torch.randn(E, d, h, generator=gen) * h**-0.5).to(dtype)
+    gy = torch.randn(T, d, generator=gen).to(dtype)
+    grads = []
+    for tma in (False, True):
+        if tma:
+            monkeypatch.setattr(eg, "WGRAD_TMA", True)
+            for config in eg._weight_grad_kernel.configs:
+                monkeypatch.setattr(config, "pre_hook", eg._set_tma_box)
+        leaves = [t.clone().requires_grad_() for t in (x, probs, fc1, fc2)]
+        y = moe_mlp(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="triton")
+        y.backward(gy)
+        grads.append([y.detach()] + [t.grad for t in leaves])
+    for plain, tma in zip(*grads):
+        assert torch.equal(plain, tma)
+
+
+@pytest.mark.parametrize("value,ok", [("1", True), ("0", True), ("yes", False)])
+def test_wgrad_tma_switch_is_read_at_import(value, ok):
+    code = ("from moeblaze_megatron.kernels import expert_gemm as eg; "
+            "assert eg.WGRAD_TMA == (eg.os.environ['MOEBLAZE_WGRAD_TMA'] == '1'); "
+            "assert all((c.pre_hook is eg._set_tma_box) == eg.WGRAD_TMA for c in eg._weight_grad_kernel.configs)")
+    env = {**os.environ, "MOEBLAZE_WGRAD_TMA": value, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if ok:
+        assert run.returncode == 0, run.stderr[-2000:]
+    else:
+        assert run.returncode != 0 and "MOEBLAZE_WGRAD_TMA must be 0 or 1, got 'yes'" in run.stderr

@@ -25,6 +25,7 @@ import os
 import triton
 import triton.language as tl
 from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .numerics import dot, dot_flags, interpreting, to_storage
 
@@ -257,23 +258,47 @@ def _act_bwd_cols(acc, p, r64, row_ok, cols, N, c_ptr, pre_ptr, stride_cm, strid
     return tl.sum(tl.where(mask, acc * h, 0.0), axis=1)
 
 
+def wgrad_tma() -> bool:
+    """MOEBLAZE_WGRAD_TMA=1 (an experiment, off by default; read at import): the weight gradients
+    read their expert-order operand through a ragged TMA descriptor instead of pointer loads."""
+    value = os.environ.get("MOEBLAZE_WGRAD_TMA", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"MOEBLAZE_WGRAD_TMA must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+WGRAD_TMA = wgrad_tma()
+
+
+def _set_tma_box(nargs):
+    """Config pre-hook: a ragged descriptor's box is the config's tile, [1, 1, BLOCK_K, width]."""
+    for name, width in (("a_ptr", "BLOCK_M"), ("b_ptr", "BLOCK_N")):
+        if isinstance(nargs[name], TensorDescriptor):
+            nargs[name].block_shape = [1, 1, nargs["BLOCK_K"], nargs[width]]
+
+
 def _weight_grad_configs():
     if interpreting():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4)]
-    if not autotuning():
-        return [triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8, num_stages=5)]
-    # The row ids are loaded inside the loop and take a pipeline stage of their own, so these
-    # need one stage more than the row GEMM for the same depth (5 stages: 3 buffers).
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s in (
-            (256, 128, 64, 8, 5),
-            (128, 256, 64, 8, 5),
-            (128, 128, 64, 8, 6),
-            (128, 128, 32, 8, 6),
-            (128, 128, 64, 8, 4),
-        )
-    ]
+        configs = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4)]
+    elif not autotuning():
+        configs = [triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8, num_stages=5)]
+    else:
+        # The row ids are loaded inside the loop and take a pipeline stage of their own, so these
+        # need one stage more than the row GEMM for the same depth (5 stages: 3 buffers).
+        configs = [
+            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in (
+                (256, 128, 64, 8, 5),
+                (128, 256, 64, 8, 5),
+                (128, 128, 64, 8, 6),
+                (128, 128, 32, 8, 6),
+                (128, 128, 64, 8, 4),
+            )
+        ]
+    if WGRAD_TMA:
+        for config in configs:
+            config.pre_hook = _set_tma_box
+    return configs
 
 
 @triton.autotune(configs=_weight_grad_configs(), key=["M", "N", "E", "rows_bucket", "GATHER_A", "GATHER_B", "TMA"])
@@ -390,12 +415,15 @@ def row_gemm_ds_tiles(n: int) -> int:
     return triton.cdiv(n, smallest)
 
 
-def weight_grad(a, b, out, plan, *, gather_a, gather_b, config=None, tma=False):
+def weight_grad(a, b, out, plan, *, gather_a, gather_b, config=None, tma=None):
     """out[e] = A[rows(e)]^T @ B[rows(e)] for every expert; out is [E, M, N].
 
-    ``tma``: read the operand in expert order through a ragged TMA descriptor. An experiment
-    (benchmarks/NOTES.md), timed by scripts/tune_kernels.py; it takes an explicit ``config``,
-    whose tile shape the descriptor's box must match, and exactly one gathered operand."""
+    ``tma`` (default: MOEBLAZE_WGRAD_TMA): read the operand in expert order through a ragged TMA
+    descriptor, an experiment (benchmarks/NOTES.md); it needs exactly one gathered operand, and
+    without an explicit ``config`` the variable set at import (the autotuner's configs then set
+    the descriptor's box to their tile)."""
+    if tma is None:
+        tma = WGRAD_TMA
     m_dim, n_dim = a.shape[1], b.shape[1]
     num_experts = plan.num_experts
     mend, precision = dot_flags(a.dtype)
@@ -403,9 +431,11 @@ def weight_grad(a, b, out, plan, *, gather_a, gather_b, config=None, tma=False):
     grid = lambda meta: (triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]), num_experts)
     strides = (a.stride(0), b.stride(0), out.stride(0), out.stride(1))
     if tma:
-        if config is None or gather_a == gather_b:
-            raise ValueError("weight_grad(tma=True) takes an explicit config and exactly one gathered operand")
-        kw = config.kwargs
+        if gather_a == gather_b:
+            raise ValueError("weight_grad(tma=True) needs exactly one gathered operand, got gather_a == gather_b")
+        if config is None and not WGRAD_TMA:
+            raise ValueError("weight_grad(tma=True) without a config needs MOEBLAZE_WGRAD_TMA=1 at import")
+        kw = (config or _weight_grad_kernel.configs[0]).kwargs
         if gather_b:
             a = create_ragged_descriptor(a, [kw["BLOCK_K"], kw["BLOCK_M"]])
         else:
