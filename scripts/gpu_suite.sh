@@ -11,7 +11,8 @@
 # check and the routing benchmark run; then the layer benchmark with every peer that imports.
 # Each step has its own time limit (seconds, overridable) so the whole fits one 10-minute call;
 # STEPS picks some of them (default: "tests megatron routing layer silu"; "tune" times the six
-# GEMMs config by config, TUNE_ARGS adds tune_kernels.py flags; LAYER_CONFIGS, LAYER_ACTS,
+# GEMMs config by config, TUNE_ARGS adds tune_kernels.py flags; "layer_tma" reruns the layer with
+# MOEBLAZE_WGRAD_TMA=1 against grouped_mm; LAYER_CONFIGS, LAYER_ACTS,
 # LAYER_IMPLS and LAYER_FLAGS (default --profile) shape the layer step). Every step's whole output
 # is kept as $out/STEP.log. Results go to $OUT (default benchmarks/results/latest).
 set -u
@@ -51,6 +52,10 @@ fi
 step layer "${LAYER_S:-260}" 200 python3 scripts/bench_layer.py --out "$out" --configs "${LAYER_CONFIGS:-qwen3,7b,conf4,dsv3}" \
   --acts "${LAYER_ACTS:-swiglu}" --reps 5 --impls "${LAYER_IMPLS:-moeblaze,grouped_mm,megatron_sequential,megablocks,liger,scattermoe}" \
   ${LAYER_FLAGS---profile}
+# The weight gradients through TMA descriptors (an experiment, off by default), against the layer step above.
+step layer_tma "${LAYER_TMA_S:-150}" 40 env MOEBLAZE_WGRAD_TMA=1 python3 scripts/bench_layer.py --out "$out" \
+  --tag bench_layer_wgrad_tma --configs "${LAYER_CONFIGS:-qwen3,7b,conf4,dsv3}" --acts "${LAYER_ACTS:-swiglu}" --reps 5 \
+  --impls moeblaze,grouped_mm
 step silu "${SILU_S:-30}" 12 python3 scripts/bench_layer.py --out "$out" --tag bench_layer_silu --configs conf4 --acts silu \
   --reps 5 --impls moeblaze,grouped_mm,megatron_sequential,megablocks,scattermoe
 # The device tool brings back at most 8 files: one archive of everything, and the JSON records.
