@@ -21,6 +21,12 @@ out=${OUT:-benchmarks/results/latest}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 steps=" ${STEPS:-tests megatron routing layer silu} "
+for name in $steps; do
+  case $name in
+    tests|megatron|routing|tune|layer|layer_tma|silu) ;;
+    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing tune layer layer_tma silu"; exit 1 ;;
+  esac
+done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "gpu_suite: installing the carried wheels failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD:$PWD/.peers${PYTHONPATH:+:$PYTHONPATH}

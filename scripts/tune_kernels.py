@@ -28,7 +28,7 @@ import triton
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [SCRIPTS, os.path.join(SCRIPTS, "..")]  # bench_layer beside it, the package above
 
-from bench_layer import ALIASES, CONFIGS  # noqa: E402  (one table of layer shapes for both scripts)
+from bench_layer import ALIASES, CONFIGS, rel_err  # noqa: E402  (one table of layer shapes for both scripts)
 from moeblaze_megatron import build_routing_plan  # noqa: E402
 from moeblaze_megatron.kernels import expert_gemm as eg  # noqa: E402
 
@@ -57,11 +57,6 @@ def wgrad_config(bm, bn, bk, w, s):
 
 # The TMA weight-gradient experiment has no autotuned launch: this config stands in for it.
 TMA_DEFAULT = wgrad_config(256, 128, 64, 8, 4)
-
-
-def rel_err(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def time_op(fn, reset, reps):
@@ -126,9 +121,9 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
         ds.zero_()
 
     dw1_kernel = torch.empty_like(fc1)
-    eg.weight_grad(dpre, x, dw1_kernel, plan, gather_a=False, gather_b=True)
+    eg.weight_grad(dpre, x, dw1_kernel, plan, gather_a=False, gather_b=True, tma=False)
     dw2_kernel = torch.empty_like(fc2)
-    eg.weight_grad(dy, h_scaled, dw2_kernel, plan, gather_a=True, gather_b=False)
+    eg.weight_grad(dy, h_scaled, dw2_kernel, plan, gather_a=True, gather_b=False, tma=False)
     dw1_tma, dw2_tma = torch.empty_like(fc1), torch.empty_like(fc2)
     gemm = 2.0 * rows * d * h
     gemm1 = 2.0 * rows * d * width  # fc1, dW1 and dX
@@ -147,15 +142,16 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
                                ds_partial=ds, n=h, config=c),
          lambda: (h_scaled, pre, ds.sum(1)), restore_pre),
         ("dw2", gemm, "wgrad",
-         lambda c: eg.weight_grad(dy, h_scaled, dw2, plan, gather_a=True, gather_b=False, config=c),
+         lambda c: eg.weight_grad(dy, h_scaled, dw2, plan, gather_a=True, gather_b=False, config=c, tma=False),
          lambda: (dw2,), nothing),
         ("dw1", gemm1, "wgrad",
-         lambda c: eg.weight_grad(dpre, x, dw1, plan, gather_a=False, gather_b=True, config=c),
+         lambda c: eg.weight_grad(dpre, x, dw1, plan, gather_a=False, gather_b=True, config=c, tma=False),
          lambda: (dw1,), nothing),
         # Diagnostic: dW1 with its x operand already in expert order (x_rows), no gather; the
         # difference to dw1 is what gathering the rows costs.
         ("dw1_contiguous", gemm1, "wgrad",
-         lambda c: eg.weight_grad(dpre, x_rows, dw1_contiguous, plan, gather_a=False, gather_b=False, config=c),
+         lambda c: eg.weight_grad(dpre, x_rows, dw1_contiguous, plan, gather_a=False, gather_b=False, config=c,
+                                  tma=False),
          lambda: (dw1_contiguous,), nothing),
         # Diagnostic: the same dW1 as a gather plus torch._grouped_mm, checked against the kernel's.
         ("dw1_grouped_mm", gemm1, "torch", grouped_mm_dw1, lambda: tuple(dw1_grouped), nothing),

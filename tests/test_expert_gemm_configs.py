@@ -67,3 +67,13 @@ def test_config_labels_and_the_autotuners_picks(monkeypatch):
         "_row_gemm_kernel(768, 2048)": "128x256x64/g8/w8/s4",
         "_weight_grad_kernel(2048, 1536)": "256x128x32/g-/w8/s5",
     }
+
+
+def test_ds_width_follows_the_activation_backward_tiles(gpu_lists, monkeypatch):
+    # The router-gradient partials are one column per tile the activation backward can run (128
+    # wide), not per tile of the narrowest config in the list (64): no zero columns to fill and sum.
+    configs = eg._row_gemm_configs()
+    assert min(c.kwargs["BLOCK_N"] for c in configs) < eg.ACT_BWD_BLOCK_N
+    monkeypatch.setattr(eg._row_gemm_kernel, "configs", configs)
+    assert eg.row_gemm_ds_tiles(768) == 768 // eg.ACT_BWD_BLOCK_N
+    assert eg.row_gemm_ds_tiles(200) == 2

@@ -7,16 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import load_script
+from conftest import load_script, rel_error
 
 tune_kernels = load_script("tune_kernels")
 
 T, D, H, E, K = 48, 32, 16, 5, 2
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.fixture(scope="module", params=["swiglu", "silu"])
@@ -55,10 +50,10 @@ def test_weight_gradient_ops_agree_with_a_float64_reduction(layer):
     idx = plan.expert_token_indices.long()
     offsets = plan.expert_token_offsets.tolist()
     expected = torch.stack([dpre[lo:hi].T @ x.double()[idx[lo:hi]] for lo, hi in zip(offsets[:-1], offsets[1:])])
-    assert _rel(dw1, expected) < 1e-2
+    assert rel_error(dw1, expected) < 1e-2
     grouped_mm = _run(ops, "dw1_grouped_mm")[0]
     assert grouped_mm.shape == dw1.shape
-    assert _rel(grouped_mm, references["dw1_grouped_mm"][0]) < 1e-2
+    assert rel_error(grouped_mm, references["dw1_grouped_mm"][0]) < 1e-2
 
 
 def test_tma_experiments_give_the_kernels_bits(layer):
@@ -69,4 +64,4 @@ def test_tma_experiments_give_the_kernels_bits(layer):
             t.fill_(float("nan"))
         plain[3](tune_kernels.TMA_DEFAULT)  # the same tile as the experiment's default launch
         assert torch.equal(_run(ops, tma_op)[0], plain[4]()[0]), tma_op
-        assert _rel(_run(ops, tma_op)[0], references[tma_op][0]) < 1e-2
+        assert rel_error(_run(ops, tma_op)[0], references[tma_op][0]) < 1e-2

@@ -410,9 +410,10 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
 
 
 def row_gemm_ds_tiles(n: int) -> int:
-    """Upper bound on the column tiles of the activation-backward epilogue (its ds width)."""
-    smallest = min(c.kwargs["BLOCK_N"] for c in _row_gemm_kernel.configs)
-    return triton.cdiv(n, smallest)
+    """The column tiles of the activation-backward epilogue (its ds width), for every config it
+    may run."""
+    kept = _prune_row_gemm(_row_gemm_kernel.configs, {}, EPILOGUE=EPI_ACT_BWD)
+    return triton.cdiv(n, min(c.kwargs["BLOCK_N"] for c in kept))
 
 
 def weight_grad(a, b, out, plan, *, gather_a, gather_b, config=None, tma=None):
@@ -435,6 +436,13 @@ def weight_grad(a, b, out, plan, *, gather_a, gather_b, config=None, tma=None):
             raise ValueError("weight_grad(tma=True) needs exactly one gathered operand, got gather_a == gather_b")
         if config is None and not WGRAD_TMA:
             raise ValueError("weight_grad(tma=True) without a config needs MOEBLAZE_WGRAD_TMA=1 at import")
+        name, ordered = ("a", a) if gather_b else ("b", b)
+        if rows_total > 2**30 or ordered.stride(1) != 1 or (ordered.stride(0) * ordered.element_size()) % 16 \
+                or ordered.data_ptr() % 16:
+            raise ValueError(
+                f"weight_grad(tma=True): {name} must have at most 2**30 rows, unit column stride, rows a "
+                f"multiple of 16 bytes apart and a 16-byte aligned start; got shape {tuple(ordered.shape)}, "
+                f"strides {ordered.stride()}, {ordered.element_size()}-byte elements")
         kw = (config or _weight_grad_kernel.configs[0]).kwargs
         if gather_b:
             a = create_ragged_descriptor(a, [kw["BLOCK_K"], kw["BLOCK_M"]])
