@@ -6,8 +6,9 @@ launches the kernel with each candidate ``triton.Config`` (bypassing the autotun
 result against the autotuned launch, and reports ms and TFLOP/s next to a dense torch.mm of the
 same size measured in the same run, so a config list can be chosen from numbers rather than
 guesses. Diagnostic ops: dw1_contiguous (dW1 without the gather), dw1_grouped_mm (a gather plus
-torch._grouped_mm, checked against the kernel's dW1) and dw1_tma / dw2_tma (the expert-order
-operand through a ragged TMA descriptor, an experiment).
+torch._grouped_mm, checked against the kernel's dW1), fc2_grouped_mm / dx_grouped_mm (the two
+GEMMs whose rows are already in expert order, as torch._grouped_mm) and dw1_pointer / dw2_pointer
+(the expert-order operand through pointer loads instead of the TMA descriptor the layer uses).
 
     python scripts/tune_kernels.py --shapes conf4,qwen3,7b --out /tmp/tune
     python scripts/tune_kernels.py --shapes conf6 --activation silu --ops fc1_act,dh_act_bwd
@@ -53,10 +54,6 @@ def row_config(bm, bn, bk, gm, w, s):
 
 def wgrad_config(bm, bn, bk, w, s):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-
-
-# The TMA weight-gradient experiment has no autotuned launch: this config stands in for it.
-TMA_DEFAULT = wgrad_config(256, 128, 64, 8, 4)
 
 
 def time_op(fn, reset, reps):
@@ -105,13 +102,20 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
     dw1_contiguous = torch.empty_like(fc1)
     x_gathered = x.new_empty(rows, d)
     group_ends = plan.expert_token_offsets[1:].to(torch.int32)
-    dw1_grouped = []
+    dw1_grouped, rows_grouped = [], {}
 
     def grouped_mm_dw1(config):
         # cuBLAS/CUTLASS grouped GEMM with the reduction split at the expert offsets, as
         # torchtitan's backward computes weight gradients, after gathering x into expert order.
         torch.index_select(x, 0, plan.expert_token_indices, out=x_gathered)
         dw1_grouped[:] = [torch._grouped_mm(dpre.t(), x_gathered, offs=group_ends)]
+    def grouped_mm_rows(name, a, weight):
+        # cuBLAS/CUTLASS grouped GEMM over the rows of each expert, for the row GEMMs whose A is
+        # already in expert order (fc2, dX): no gather is needed there.
+        def launch(config):
+            rows_grouped[name] = torch._grouped_mm(a, weight, offs=group_ends)
+        return launch, lambda: (rows_grouped[name],) if name in rows_grouped else ()
+
     dw2 = torch.empty_like(fc2)
     grad_rows = x.new_empty(rows, d)
     nothing = lambda: None  # noqa: E731
@@ -121,13 +125,17 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
         ds.zero_()
 
     dw1_kernel = torch.empty_like(fc1)
-    eg.weight_grad(dpre, x, dw1_kernel, plan, gather_a=False, gather_b=True, tma=False)
+    eg.weight_grad(dpre, x, dw1_kernel, plan, gather_a=False, gather_b=True)
     dw2_kernel = torch.empty_like(fc2)
-    eg.weight_grad(dy, h_scaled, dw2_kernel, plan, gather_a=True, gather_b=False, tma=False)
-    dw1_tma, dw2_tma = torch.empty_like(fc1), torch.empty_like(fc2)
+    eg.weight_grad(dy, h_scaled, dw2_kernel, plan, gather_a=True, gather_b=False)
+    dw1_pointer, dw2_pointer = torch.empty_like(fc1), torch.empty_like(fc2)
+    fc2_kernel, dx_kernel = x.new_empty(rows, d), x.new_empty(rows, d)
+    eg.row_gemm(hid, fc2, fc2_kernel, plan, transpose_weight=True, gather_a=False, n=d)
+    eg.row_gemm(dpre, fc1, dx_kernel, plan, transpose_weight=False, gather_a=False, n=d)
     gemm = 2.0 * rows * d * h
     gemm1 = 2.0 * rows * d * width  # fc1, dW1 and dX
-    references = {"dw1_grouped_mm": (dw1_kernel,), "dw1_tma": (dw1_kernel,), "dw2_tma": (dw2_kernel,)}
+    references = {"dw1_grouped_mm": (dw1_kernel,), "dw1_pointer": (dw1_kernel,), "dw2_pointer": (dw2_kernel,),
+                  "fc2_grouped_mm": (fc2_kernel,), "dx_grouped_mm": (dx_kernel,)}
     return plan, references, [
         ("fc1_act", gemm1, "row_glu" if activation == "swiglu" else "row",
          lambda c: eg.row_gemm(x, fc1, hid, plan, transpose_weight=True, epilogue=eg.EPI_ACT_FWD,
@@ -142,32 +150,33 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
                                ds_partial=ds, n=h, config=c),
          lambda: (h_scaled, pre, ds.sum(1)), restore_pre),
         ("dw2", gemm, "wgrad",
-         lambda c: eg.weight_grad(dy, h_scaled, dw2, plan, gather_a=True, gather_b=False, config=c, tma=False),
+         lambda c: eg.weight_grad(dy, h_scaled, dw2, plan, gather_a=True, gather_b=False, config=c),
          lambda: (dw2,), nothing),
         ("dw1", gemm1, "wgrad",
-         lambda c: eg.weight_grad(dpre, x, dw1, plan, gather_a=False, gather_b=True, config=c, tma=False),
+         lambda c: eg.weight_grad(dpre, x, dw1, plan, gather_a=False, gather_b=True, config=c),
          lambda: (dw1,), nothing),
         # Diagnostic: dW1 with its x operand already in expert order (x_rows), no gather; the
         # difference to dw1 is what gathering the rows costs.
         ("dw1_contiguous", gemm1, "wgrad",
-         lambda c: eg.weight_grad(dpre, x_rows, dw1_contiguous, plan, gather_a=False, gather_b=False, config=c,
-                                  tma=False),
+         lambda c: eg.weight_grad(dpre, x_rows, dw1_contiguous, plan, gather_a=False, gather_b=False, config=c),
          lambda: (dw1_contiguous,), nothing),
         # Diagnostic: the same dW1 as a gather plus torch._grouped_mm, checked against the kernel's.
         ("dw1_grouped_mm", gemm1, "torch", grouped_mm_dw1, lambda: tuple(dw1_grouped), nothing),
-        # Experiment: dW1 and dW2 with the expert-order operand through a ragged TMA descriptor
-        # (explicit configs only; bitwise the kernel's result).
-        ("dw1_tma", gemm1, "wgrad_tma",
-         lambda c: eg.weight_grad(dpre, x, dw1_tma, plan, gather_a=False, gather_b=True, config=c or TMA_DEFAULT,
-                                  tma=True),
-         lambda: (dw1_tma,), nothing),
-        ("dw2_tma", gemm, "wgrad_tma",
-         lambda c: eg.weight_grad(dy, h_scaled, dw2_tma, plan, gather_a=True, gather_b=False, config=c or TMA_DEFAULT,
-                                  tma=True),
-         lambda: (dw2_tma,), nothing),
+        # Diagnostic: dW1 and dW2 with the expert-order operand through pointer loads (bitwise the
+        # TMA form's result); the difference is what the descriptor buys.
+        ("dw1_pointer", gemm1, "wgrad",
+         lambda c: eg.weight_grad(dpre, x, dw1_pointer, plan, gather_a=False, gather_b=True, config=c, tma=False),
+         lambda: (dw1_pointer,), nothing),
+        ("dw2_pointer", gemm, "wgrad",
+         lambda c: eg.weight_grad(dy, h_scaled, dw2_pointer, plan, gather_a=True, gather_b=False, config=c,
+                                  tma=False),
+         lambda: (dw2_pointer,), nothing),
         ("dx", gemm1, "row",
          lambda c: eg.row_gemm(dpre, fc1, grad_rows, plan, transpose_weight=False, gather_a=False, n=d, config=c),
          lambda: (grad_rows,), nothing),
+        # Diagnostic: fc2 and dX as torch._grouped_mm, checked against the kernel's.
+        ("fc2_grouped_mm", gemm, "torch", *grouped_mm_rows("fc2", hid, fc2.transpose(1, 2)), nothing),
+        ("dx_grouped_mm", gemm1, "torch", *grouped_mm_rows("dx", dpre, fc1), nothing),
     ], (x, fc1, rows)
 
 
@@ -189,7 +198,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="conf4,qwen3,7b")
     ap.add_argument("--ops", default="fc1_act,fc2,dh_act_bwd,dw2,dw1,dx",
-                    help="comma list; also the diagnostic dw1_contiguous, dw1_grouped_mm, dw1_tma, dw2_tma")
+                    help="comma list; also the diagnostic dw1_contiguous, dw1_grouped_mm, dw1_pointer, dw2_pointer, "
+                    "fc2_grouped_mm, dx_grouped_mm")
     ap.add_argument("--activation", default="swiglu", choices=sorted(eg.ACTIVATION_IDS))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--configs", default="", help="comma list of label parts (e.g. '128x256,/s5'): time only "
@@ -224,13 +234,11 @@ def main(argv=None):
             ref = list(references.get(name, ())) or [t.clone() for t in outputs()]
             if kind == "torch":
                 picked = "torch"
-            elif kind == "wgrad_tma":
-                picked = "default " + eg.config_label(TMA_DEFAULT)
             else:
                 picked = eg.config_label((eg._weight_grad_kernel if kind == "wgrad" else eg._row_gemm_kernel).best_config)
             if kind == "torch":
                 candidates = []
-            elif kind in ("wgrad", "wgrad_tma"):
+            elif kind == "wgrad":
                 candidates = [wgrad_config(*c) for c in WGRAD_CONFIGS]
             else:  # the SwiGLU forward and every activation backward run at most 128 columns
                 candidates = [row_config(*c) for c in ROW_CONFIGS if kind == "row" or c[1] <= 128]
@@ -261,7 +269,7 @@ def main(argv=None):
                 if (cfg is not None or kind == "torch") and rec["ok"] and (previous is None or rec["ms"] < previous["ms"]):
                     best[(shape, name)] = rec
                 status = f"{rec['ms']:.3f} ms {rec['tflops']:.0f} TF/s err {rec['err']:.1e}" if rec["ms"] else rec["error"]
-                shown = label if cfg or kind == "torch" else picked if kind == "wgrad_tma" else "autotuned " + picked
+                shown = label if cfg or kind == "torch" else "autotuned " + picked
                 print(f"  {name:14s} {shown:24s} {status}", flush=True)
         del plan, ops, references, fc1
         torch.cuda.empty_cache()

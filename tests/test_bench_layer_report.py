@@ -19,9 +19,9 @@ def _record(impl, ms, **extra):
 
 def test_report_only_rewrites_the_table(tmp_path):
     meta = dict(gpu="test GPU", torch="t", triton="t", date="2026-11-29", command="python scripts/bench_layer.py",
-                matmul_peak_tflops=500.0, env={"MOEBLAZE_WGRAD_TMA": "1"})
+                matmul_peak_tflops=500.0, env={"MOEBLAZE_AUTOTUNE": "0"})
     records = [
-        _record("moeblaze", 5.0, host_ms_fwdbwd=1.25),
+        _record("moeblaze", 5.0, host_ms_fwdbwd=1.25, ms_fwdbwd_queued=4.5),
         _record("grouped_mm", 10.0),  # a record from before host time was measured
         _record("scattermoe", 7.5, host_ms_fwdbwd=7.0),
         dict(config="qwen3-30b-like", activation="swiglu", impl="liger", error="OOM"),
@@ -40,7 +40,9 @@ def test_report_only_rewrites_the_table(tmp_path):
     assert rows["grouped_mm"][col["vs best peer"]] == "0.75x"
     assert rows["moeblaze"][col["host ms"]] == "1.25"
     assert rows["grouped_mm"][col["host ms"]] == "-"
+    assert rows["moeblaze"][col["queued ms"]] == "4.50"
+    assert rows["scattermoe"][col["queued ms"]] == "-"
     assert rows["liger"][-1].strip("| ") == "OOM"
     assert len(rows["liger"]) == len(header)
     assert "megablocks: not run" in table
-    assert "Command: `python scripts/bench_layer.py` with MOEBLAZE_WGRAD_TMA=1" in table
+    assert "Command: `python scripts/bench_layer.py` with MOEBLAZE_AUTOTUNE=0" in table

@@ -48,6 +48,22 @@ def test_no_autotune_gives_one_config_every_epilogue_accepts(gpu_lists, monkeypa
     assert wgrad.kwargs["BLOCK_K"] == row.kwargs["BLOCK_K"] == 32  # fits shared memory in float32
 
 
+@pytest.mark.parametrize("gather_a,gather_b", [(True, False), (False, True), (False, False)])
+def test_weight_gradients_time_only_tiles_long_on_the_expert_order_operand(gpu_lists, gather_a, gather_b):
+    configs = eg._weight_grad_configs()
+    kept = eg._prune_weight_grad(configs, {}, GATHER_A=gather_a, GATHER_B=gather_b)
+    if gather_a == gather_b:
+        assert kept == configs
+        return
+    ordered, other = ("BLOCK_N", "BLOCK_M") if gather_a else ("BLOCK_M", "BLOCK_N")
+    assert all(c.kwargs[ordered] >= c.kwargs[other] for c in kept)
+    assert any(c.kwargs[ordered] > c.kwargs[other] for c in kept) and len(kept) < len(configs)
+    assert len(kept) >= 2  # still something to tune (depth, stages)
+    # A list with no config of that orientation keeps them all rather than none.
+    square_free = [c for c in configs if c.kwargs[ordered] < c.kwargs[other]]
+    assert eg._prune_weight_grad(square_free, {}, GATHER_A=gather_a, GATHER_B=gather_b) == square_free
+
+
 def test_autotune_switch_refuses_other_values(gpu_lists, monkeypatch):
     monkeypatch.setenv("MOEBLAZE_AUTOTUNE", "false")
     with pytest.raises(ValueError, match="MOEBLAZE_AUTOTUNE must be 0 or 1, got 'false'"):

@@ -1,12 +1,8 @@
-"""The weight-gradient kernel's TMA variant (the expert-order operand through a ragged TMA
-descriptor; an experiment timed by scripts/tune_kernels.py) against its pointer-load form and a
-float64 reduction, under the interpreter: every expert's rows and none of its neighbours'."""
+"""The weight-gradient kernel's expert-order operand through a ragged TMA descriptor (the default
+where a descriptor can take it) against its pointer-load form and a float64 reduction, under the
+interpreter: every expert's rows and none of its neighbours'."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -58,20 +54,50 @@ def test_tma_variant_matches_pointer_loads_and_float64(dtype, kind, gathered):
         assert torch.equal(outs[1][2], torch.zeros(M, N, dtype=dtype))
 
 
-def test_tma_variant_refuses_two_gathers_and_untuned_boxes():
+def test_tma_refuses_two_gathers_and_tensors_a_descriptor_cannot_take():
     plan = build_routing_plan(torch.tensor([[0], [1]]), 2)
     x = torch.randn(2, 16)
     out = torch.empty(2, 16, 16)
     with pytest.raises(ValueError, match="needs exactly one gathered operand"):
         eg.weight_grad(x, x, out, plan, gather_a=True, gather_b=True, config=CONFIG, tma=True)
-    assert not eg.WGRAD_TMA  # the suite runs with the default
-    with pytest.raises(ValueError, match="without a config needs MOEBLAZE_WGRAD_TMA=1 at import"):
-        eg.weight_grad(x, x, out, plan, gather_a=True, gather_b=False, tma=True)
     # A TMA descriptor needs rows 16 bytes apart: 12 bfloat16 columns are 24.
     narrow = torch.randn(2, 12).to(torch.bfloat16)
-    with pytest.raises(ValueError, match=r"b must have .* rows a multiple of 16 bytes apart"):
+    with pytest.raises(ValueError, match=r"b must be on a GPU .* rows a multiple of 16 bytes apart"):
         eg.weight_grad(x.to(torch.bfloat16), narrow, torch.empty(2, 16, 12, dtype=torch.bfloat16), plan,
                        gather_a=True, gather_b=False, config=CONFIG, tma=True)
+
+
+@pytest.mark.parametrize("tensor", ["aligned", "misaligned", "narrow_rows"])
+def test_default_takes_tma_where_a_descriptor_can_and_pointer_loads_elsewhere(tensor, monkeypatch):
+    gen = torch.Generator().manual_seed(5)
+    T, E, K, M, N = 21, 3, 2, 16, 24
+    plan = build_routing_plan(torch.rand(T, E, generator=gen).topk(K, dim=1).indices, E)
+    tokens = torch.randn(T, M, generator=gen)
+    if tensor == "aligned":
+        ordered = torch.randn(T * K, N, generator=gen)
+    elif tensor == "misaligned":  # starts 4 bytes into its storage
+        ordered = torch.randn(T * K, N + 1, generator=gen)[:, 1:]
+    else:  # rows 12 bytes apart
+        ordered = torch.randn(T * K, 3, generator=gen)
+        N = 3
+    taken = []
+    monkeypatch.setattr(eg, "_launch", lambda kernel, grid, args, constexprs, config: taken.append(constexprs["TMA"]))
+    eg.weight_grad(tokens, ordered, torch.empty(E, M, N), plan, gather_a=True, gather_b=False)
+    eg.weight_grad(tokens, tokens, torch.empty(E, M, M), plan, gather_a=True, gather_b=True)
+    assert taken == [tensor == "aligned", False]
+
+
+def test_every_autotuned_config_sizes_the_descriptor_box(monkeypatch):
+    monkeypatch.setattr(eg, "interpreting", lambda: False)
+    monkeypatch.setattr(eg, "autotuning", lambda: True)
+    configs = eg._weight_grad_configs()
+    assert len({eg.config_label(c) for c in configs}) == len(configs) > 1
+    ordered = torch.randn(64, 32)
+    for config in configs:
+        assert config.pre_hook is eg._set_tma_box
+        desc = eg.create_ragged_descriptor(ordered, [16, 16])
+        config.pre_hook({"a_ptr": ordered, "b_ptr": desc, **config.kwargs})
+        assert list(desc.block_shape)[-2:] == [config.kwargs["BLOCK_K"], config.kwargs["BLOCK_N"]]
 
 
 @pytest.mark.parametrize("gathered", ["a", "b"])
@@ -99,8 +125,7 @@ def test_tma_variant_reads_no_row_of_the_next_expert(gathered):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_with_tma_weight_gradients_is_bitwise_the_default(monkeypatch, dtype):
-    # MOEBLAZE_WGRAD_TMA=1 as set at import: the flag, and the configs' pre-hook that sizes the box.
+def test_layer_with_tma_weight_gradients_is_bitwise_pointer_loads(monkeypatch, dtype):
     gen = torch.Generator().manual_seed(11)
     T, d, h, E, K = 33, 32, 24, 6, 3
     x = torch.randn(T, d, generator=gen).to(dtype)
@@ -110,27 +135,12 @@ def test_layer_with_tma_weight_gradients_is_bitwise_the_default(monkeypatch, dty
     fc2 = (torch.randn(E, d, h, generator=gen) * h**-0.5).to(dtype)
     gy = torch.randn(T, d, generator=gen).to(dtype)
     grads = []
-    for tma in (False, True):
-        if tma:
-            monkeypatch.setattr(eg, "WGRAD_TMA", True)
-            for config in eg._weight_grad_kernel.configs:
-                monkeypatch.setattr(config, "pre_hook", eg._set_tma_box)
+    for tma in (True, False):
+        if not tma:
+            monkeypatch.setattr(eg, "_tma_capable", lambda ordered, rows_total: False)
         leaves = [t.clone().requires_grad_() for t in (x, probs, fc1, fc2)]
         y = moe_mlp(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="triton")
         y.backward(gy)
         grads.append([y.detach()] + [t.grad for t in leaves])
-    for plain, tma in zip(*grads):
-        assert torch.equal(plain, tma)
-
-
-@pytest.mark.parametrize("value,ok", [("1", True), ("0", True), ("yes", False)])
-def test_wgrad_tma_switch_is_read_at_import(value, ok):
-    code = ("from moeblaze_megatron.kernels import expert_gemm as eg; "
-            "assert eg.WGRAD_TMA == (eg.os.environ['MOEBLAZE_WGRAD_TMA'] == '1'); "
-            "assert all((c.pre_hook is eg._set_tma_box) == eg.WGRAD_TMA for c in eg._weight_grad_kernel.configs)")
-    env = {**os.environ, "MOEBLAZE_WGRAD_TMA": value, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    if ok:
-        assert run.returncode == 0, run.stderr[-2000:]
-    else:
-        assert run.returncode != 0 and "MOEBLAZE_WGRAD_TMA must be 0 or 1, got 'yes'" in run.stderr
+    for with_tma, plain in zip(*grads):
+        assert torch.equal(with_tma, plain)

@@ -11,7 +11,10 @@ Two kernels serve the whole forward and backward pass:
   recomputed from the saved pre-activations, the router-probability gradient as a row dot
   product, the probability scaling).
 * ``_weight_grad_kernel``: ``dW[e] = A[rows(e)]^T @ B[rows(e)]``, each program reducing one output
-  tile over all rows of its expert in a fixed order (no atomics, so deterministic).
+  tile over all rows of its expert in a fixed order (no atomics, so deterministic). The operand in
+  expert order comes through a ragged TMA descriptor on Hopper (17-20% faster than pointer loads
+  there: the reduction runs down its rows, so its tiles are MN-major), the gathered one through
+  pointers.
 
 Row tiles never straddle two experts: row-tile i is mapped to its expert inside the kernel from
 ``expert_token_offsets``, so no host synchronization is needed and the grid is an upper bound
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
@@ -258,18 +262,6 @@ def _act_bwd_cols(acc, p, r64, row_ok, cols, N, c_ptr, pre_ptr, stride_cm, strid
     return tl.sum(tl.where(mask, acc * h, 0.0), axis=1)
 
 
-def wgrad_tma() -> bool:
-    """MOEBLAZE_WGRAD_TMA=1 (an experiment, off by default; read at import): the weight gradients
-    read their expert-order operand through a ragged TMA descriptor instead of pointer loads."""
-    value = os.environ.get("MOEBLAZE_WGRAD_TMA", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"MOEBLAZE_WGRAD_TMA must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
-WGRAD_TMA = wgrad_tma()
-
-
 def _set_tma_box(nargs):
     """Config pre-hook: a ragged descriptor's box is the config's tile, [1, 1, BLOCK_K, width]."""
     for name, width in (("a_ptr", "BLOCK_M"), ("b_ptr", "BLOCK_N")):
@@ -284,24 +276,42 @@ def _weight_grad_configs():
         configs = [triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8, num_stages=5)]
     else:
         # The row ids are loaded inside the loop and take a pipeline stage of their own, so these
-        # need one stage more than the row GEMM for the same depth (5 stages: 3 buffers).
+        # need one stage more than the row GEMM for the same depth (5 stages: 3 buffers). From
+        # scripts/tune_kernels.py on the H200 (benchmarks/results/2026-11-29-h200-v5): with the
+        # TMA operand, 256x128x32 at 8 stages won dW1 and 128x256x64 at 5 dW2 on qwen3, 7B and
+        # conf4 (17-35% faster than pointer loads); the pointer form's best, 256x128x64 at 5
+        # stages, stays for operands a descriptor cannot take.
         configs = [
             triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
             for bm, bn, bk, w, s in (
-                (256, 128, 64, 8, 5),
+                (256, 128, 32, 8, 8),
                 (128, 256, 64, 8, 5),
-                (128, 128, 64, 8, 6),
-                (128, 128, 32, 8, 6),
-                (128, 128, 64, 8, 4),
+                (256, 128, 64, 8, 5),
+                (128, 256, 32, 8, 8),
+                (128, 128, 64, 8, 5),
             )
         ]
-    if WGRAD_TMA:
-        for config in configs:
-            config.pre_hook = _set_tma_box
+    for config in configs:
+        config.pre_hook = _set_tma_box
     return configs
 
 
-@triton.autotune(configs=_weight_grad_configs(), key=["M", "N", "E", "rows_bucket", "GATHER_A", "GATHER_B", "TMA"])
+def _prune_weight_grad(configs, named_args, **kwargs):
+    # Every measured shape ran fastest with the tile's long side on the operand in expert order
+    # (dW1: A, 256 x 128; dW2: B, 128 x 256; either way by 10-50%): only those are timed, so the
+    # autotuner's noise cannot pick a config of the other orientation.
+    args = {**named_args, **kwargs}
+    if args["GATHER_A"] == args["GATHER_B"]:
+        return configs
+    long_side, short_side = ("BLOCK_N", "BLOCK_M") if args["GATHER_A"] else ("BLOCK_M", "BLOCK_N")
+    return [c for c in configs if c.kwargs[long_side] >= c.kwargs[short_side]] or configs
+
+
+@triton.autotune(
+    configs=_weight_grad_configs(),
+    key=["M", "N", "E", "rows_bucket", "GATHER_A", "GATHER_B", "TMA"],
+    prune_configs_by={"early_config_prune": _prune_weight_grad},
+)
 @triton.jit
 def _weight_grad_kernel(
     a_ptr, b_ptr, c_ptr, token_idx_ptr, offsets_ptr,
@@ -409,6 +419,36 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
     _launch(_row_gemm_kernel, grid, args, constexprs, config)
 
 
+# torch._grouped_mm against the row-GEMM kernel on the H200 (scripts/tune_kernels.py,
+# benchmarks/results/2026-11-29-h200-v5): with the weight read transposed (fc2) it won at every
+# reduction length measured (qwen3-like 1.33 vs 1.83 ms, 7B-like 0.40 vs 0.53, conf4 6.73 vs 7.92
+# at K = 8192); in the weight's own layout (dX) at K = 512 and 1536 (7B-like 0.59 vs 0.67,
+# qwen3-like 2.38 vs 2.52) but not at K = 16384 (conf4 16.0 vs 13.2 ms). Untested between, so
+# the kernel keeps dX past this K.
+GROUPED_MM_MAX_K_UNTRANSPOSED = 2048
+
+
+def grouped_mm_applies(a, weight, *, transpose_weight) -> bool:
+    """Whether ``expert_order_gemm`` runs through ``torch._grouped_mm`` (cuBLAS / CUTLASS grouped
+    GEMM): bfloat16 on a GPU of compute capability 9.0 or newer, where it was measured faster."""
+    return (a.is_cuda and a.dtype == weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(a.device) >= (9, 0)
+            and (transpose_weight or a.shape[1] <= GROUPED_MM_MAX_K_UNTRANSPOSED))
+
+
+def expert_order_gemm(a, weight, plan, *, transpose_weight, n):
+    """``out[r] = A[r] @ B[e(r)]`` for A already in expert order (fc2 and dX: nothing to gather,
+    no epilogue); ``weight`` as in ``row_gemm``. Through ``torch._grouped_mm`` where
+    ``grouped_mm_applies``, the row-GEMM kernel elsewhere. Rows of unused slots (past the plan's
+    last offset) are left unwritten either way."""
+    if grouped_mm_applies(a, weight, transpose_weight=transpose_weight):
+        b = weight.transpose(1, 2) if transpose_weight else weight
+        return torch._grouped_mm(a, b, offs=plan.expert_token_offsets[1:])
+    out = a.new_empty(a.shape[0], n)
+    row_gemm(a, weight, out, plan, transpose_weight=transpose_weight, gather_a=False, n=n)
+    return out
+
+
 def row_gemm_ds_tiles(n: int) -> int:
     """The column tiles of the activation-backward epilogue (its ds width), for every config it
     may run."""
@@ -416,33 +456,41 @@ def row_gemm_ds_tiles(n: int) -> int:
     return triton.cdiv(n, min(c.kwargs["BLOCK_N"] for c in kept))
 
 
+def _tma_capable(ordered, rows_total: int) -> bool:
+    """Whether a ragged TMA descriptor can take ``ordered``: Hopper or newer (or the interpreter),
+    at most 2**30 rows, unit column stride, rows 16 bytes apart and a 16-byte aligned start."""
+    if ordered.is_cuda and torch.cuda.get_device_capability(ordered.device) < (9, 0):
+        return False
+    return (rows_total <= 2**30 and ordered.stride(1) == 1 and (ordered.stride(0) * ordered.element_size()) % 16 == 0
+            and ordered.data_ptr() % 16 == 0)
+
+
 def weight_grad(a, b, out, plan, *, gather_a, gather_b, config=None, tma=None):
     """out[e] = A[rows(e)]^T @ B[rows(e)] for every expert; out is [E, M, N].
 
-    ``tma`` (default: MOEBLAZE_WGRAD_TMA): read the operand in expert order through a ragged TMA
-    descriptor, an experiment (benchmarks/NOTES.md); it needs exactly one gathered operand, and
-    without an explicit ``config`` the variable set at import (the autotuner's configs then set
-    the descriptor's box to their tile)."""
-    if tma is None:
-        tma = WGRAD_TMA
+    With exactly one gathered operand, the other (in expert order) is read through a ragged TMA
+    descriptor where the hardware and the tensor allow it (``tma=None``), always (``True``: an error
+    where it cannot) or never (``False``: pointer loads, as with two or no gathered operands)."""
     m_dim, n_dim = a.shape[1], b.shape[1]
     num_experts = plan.num_experts
     mend, precision = dot_flags(a.dtype)
     rows_total = plan.expert_token_indices.shape[0]
     grid = lambda meta: (triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]), num_experts)
     strides = (a.stride(0), b.stride(0), out.stride(0), out.stride(1))
-    if tma:
+    name, ordered = ("a", a) if gather_b else ("b", b)
+    if tma is None:
+        tma = gather_a != gather_b and _tma_capable(ordered, rows_total)
+    elif tma:
         if gather_a == gather_b:
             raise ValueError("weight_grad(tma=True) needs exactly one gathered operand, got gather_a == gather_b")
-        if config is None and not WGRAD_TMA:
-            raise ValueError("weight_grad(tma=True) without a config needs MOEBLAZE_WGRAD_TMA=1 at import")
-        name, ordered = ("a", a) if gather_b else ("b", b)
-        if rows_total > 2**30 or ordered.stride(1) != 1 or (ordered.stride(0) * ordered.element_size()) % 16 \
-                or ordered.data_ptr() % 16:
+        if not _tma_capable(ordered, rows_total):
             raise ValueError(
-                f"weight_grad(tma=True): {name} must have at most 2**30 rows, unit column stride, rows a "
-                f"multiple of 16 bytes apart and a 16-byte aligned start; got shape {tuple(ordered.shape)}, "
-                f"strides {ordered.stride()}, {ordered.element_size()}-byte elements")
+                f"weight_grad(tma=True): {name} must be on a GPU of compute capability 9.0 or newer, have at "
+                f"most 2**30 rows, unit column stride, rows a multiple of 16 bytes apart and a 16-byte aligned "
+                f"start; got shape {tuple(ordered.shape)}, strides {ordered.stride()}, "
+                f"{ordered.element_size()}-byte elements on {ordered.device}")
+    if tma:
+        # The box is the first config's tile; the configs' pre-hook resizes it to each one's.
         kw = (config or _weight_grad_kernel.configs[0]).kwargs
         if gather_b:
             a = create_ragged_descriptor(a, [kw["BLOCK_K"], kw["BLOCK_M"]])

@@ -1,7 +1,8 @@
 """The fused MoE expert MLP as an autograd Function over the Triton kernels.
 
 Forward: GEMM1 gathers x through the plan and applies the activation in its epilogue (saving the
-pre-activations unless recompute="fc1"); GEMM2 multiplies by fc2 in expert order; the combine
+pre-activations unless recompute="fc1"); GEMM2 multiplies by fc2 in expert order (through
+torch._grouped_mm in bfloat16 on Hopper, as dX at short reductions: expert_order_gemm); the combine
 kernel weights each slot by its router probability and sums a token's K rows.
 Backward: dH = gathered dY @ fc2 with the activation backward, the probability scaling and the
 router-probability gradient <dH, h> in the epilogue, writing d pre over the saved pre-activations;
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .combine import combine
-from .expert_gemm import EPI_ACT_BWD, EPI_ACT_FWD, row_gemm, row_gemm_ds_tiles, weight_grad
+from .expert_gemm import EPI_ACT_BWD, EPI_ACT_FWD, expert_order_gemm, row_gemm, row_gemm_ds_tiles, weight_grad
 
 
 class TritonMoEMLP(torch.autograd.Function):
@@ -29,8 +30,7 @@ class TritonMoEMLP(torch.autograd.Function):
         h = x.new_empty(rows_total, ffn)
         row_gemm(x, fc1_weight, h, plan, transpose_weight=True, epilogue=EPI_ACT_FWD,
                  activation=activation, gather_a=True, pre=pre, store_pre=save_pre, n=ffn)
-        expert_out = x.new_empty(rows_total, hidden)
-        row_gemm(h, fc2_weight, expert_out, plan, transpose_weight=True, gather_a=False, n=hidden)
+        expert_out = expert_order_gemm(h, fc2_weight, plan, transpose_weight=True, n=hidden)
         del h
         y = combine(expert_out, plan.token_index_map, topk_probs, x.dtype)
         ctx.save_for_backward(x, topk_probs, fc1_weight, fc2_weight, pre, *plan._tensors())
@@ -74,8 +74,7 @@ class TritonMoEMLP(torch.autograd.Function):
             grad_fc1 = torch.empty_like(fc1_weight, memory_format=torch.contiguous_format)
             weight_grad(grad_pre, x, grad_fc1, plan, gather_a=False, gather_b=True)
         if ctx.needs_input_grad[0]:
-            grad_rows = x.new_empty(rows_total, hidden)
-            row_gemm(grad_pre, fc1_weight, grad_rows, plan, transpose_weight=False, gather_a=False, n=hidden)
+            grad_rows = expert_order_gemm(grad_pre, fc1_weight, plan, transpose_weight=False, n=hidden)
             grad_x = combine(grad_rows, plan.token_index_map, None, x.dtype)
         if ctx.needs_input_grad[1]:
             grad_probs = plan.unpermute_rows(ds_partial.sum(dim=1)).to(topk_probs.dtype)
