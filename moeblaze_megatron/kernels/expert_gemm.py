@@ -88,7 +88,37 @@ def autotuning() -> bool:
     return value == "1"
 
 
+def row_tma() -> bool:
+    """MOEBLAZE_ROW_TMA=1 (an experiment, off by default; read at import): the row GEMMs read the
+    weight through a TMA descriptor where one can take it. Per GEMM on the H200 it was bitwise the
+    pointer form and faster (fc1 + SwiGLU: conf4 17.1 -> 13.5 ms, qwen3-like 2.94 -> 2.57; dH and
+    dX 0-8%; benchmarks/results/2026-11-29-h200-v5), but the autotuned layer has not yet run on
+    a GPU with it."""
+    value = os.environ.get("MOEBLAZE_ROW_TMA", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"MOEBLAZE_ROW_TMA must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+ROW_TMA = row_tma()
+
+
+def _set_weight_box(nargs):
+    """Config pre-hook: the weight descriptor's box is the config's weight tile."""
+    b = nargs["b_ptr"]
+    if isinstance(b, TensorDescriptor):
+        bk, bn = nargs["BLOCK_K"], nargs["BLOCK_N"]
+        b.block_shape = [1, 2, bn, bk] if len(b.shape) == 4 else [1, bn, bk] if nargs["TRANS_B"] else [1, bk, bn]
+
+
 def _row_gemm_configs():
+    configs = _row_gemm_tiles()
+    for config in configs:
+        config.pre_hook = _set_weight_box
+    return configs
+
+
+def _row_gemm_tiles():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4)]
     if not autotuning():
@@ -133,7 +163,7 @@ def _prune_row_gemm(configs, named_args, **kwargs):
 
 @triton.autotune(
     configs=_row_gemm_configs(),
-    key=["N", "K", "E", "rows_bucket", "EPILOGUE", "ACT", "GATHER_A"],
+    key=["N", "K", "E", "rows_bucket", "EPILOGUE", "ACT", "GATHER_A", "TMA_B"],
     prune_configs_by={"early_config_prune": _prune_row_gemm},
     # The activation backward rewrites pre in place and fills one ds column per column tile.
     restore_value=["pre_ptr"],
@@ -149,6 +179,7 @@ def _row_gemm_kernel(
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATHER_A: tl.constexpr, STORE_PRE: tl.constexpr,
     MEND_BF16: tl.constexpr, PRECISION: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TMA_B: tl.constexpr = False, TRANS_B: tl.constexpr = False,
 ):
     """C = A[src] @ B[e] per expert row tile, then the epilogue.
 
@@ -158,6 +189,8 @@ def _row_gemm_kernel(
                  d pre in place; c receives p * act(pre) (for dW2); ds receives
                  <dH, act(pre)> summed over this program's columns (one partial per column tile).
     For SwiGLU, N is the width h of one half; the up half sits N columns after the gate half.
+    TMA_B: B is a TMA descriptor over the weight, [E, N, K] (TRANS_B), [E, 2, N, K] (the SwiGLU
+    forward's gate and up halves) or [E, K, N]; the hardware zero-fills past N and K.
     """
     GLU: tl.constexpr = ACT == 0 and EPILOGUE != 0
     pid = tl.program_id(0)
@@ -191,15 +224,24 @@ def _row_gemm_kernel(
             b_col_ok = col_ok
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :] * stride_ak
-        b_ptrs = b_ptr + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + b_cols[None, :].to(tl.int64) * stride_bn
+        if not TMA_B:
+            b_ptrs = b_ptr + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + b_cols[None, :].to(tl.int64) * stride_bn
         acc = tl.zeros((BLOCK_M, B_COLS), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = ks < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & b_col_ok[None, :], other=0.0)
+            if TMA_B and B_COLS != BLOCK_N:
+                b = tl.trans(tl.reshape(b_ptr.load([e, 0, pid_n * BLOCK_N, k0]), (B_COLS, BLOCK_K)))
+            elif TMA_B and TRANS_B:
+                b = tl.trans(tl.reshape(b_ptr.load([e, pid_n * BLOCK_N, k0]), (BLOCK_N, BLOCK_K)))
+            elif TMA_B:
+                b = tl.reshape(b_ptr.load([e, k0, pid_n * BLOCK_N]), (BLOCK_K, BLOCK_N))
+            else:
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & b_col_ok[None, :], other=0.0)
             acc = dot(a, b, acc, MEND_BF16, PRECISION)
             a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+            if not TMA_B:
+                b_ptrs += BLOCK_K * stride_bk
 
         out_dtype = c_ptr.dtype.element_ty
         r64 = rows.to(tl.int64)
@@ -387,15 +429,43 @@ def _launch(kernel, grid, args, constexprs, config):
         kernel.fn[grid](*args, **constexprs, **config.all_kwargs())
 
 
+def _weight_tma_capable(weight) -> bool:
+    """Whether a TMA descriptor can take the weight: Hopper or newer (or the interpreter), unit
+    last stride, the other strides and the start 16-byte aligned."""
+    if weight.is_cuda and torch.cuda.get_device_capability(weight.device) < (9, 0):
+        return False
+    return (weight.stride(2) == 1 and weight.data_ptr() % 16 == 0
+            and all((weight.stride(i) * weight.element_size()) % 16 == 0 for i in (0, 1)))
+
+
 def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, activation="swiglu",
              gather_a=True, pre=None, store_pre=True, probs_sorted=None, ds_partial=None, n=None,
-             config=None):
+             config=None, tma_weight=None):
     """Launch ``_row_gemm_kernel`` over ``n`` output columns; ``weight`` is [E, out, in]
     (``transpose_weight``: multiply by its transpose, as nn.Linear does) or [E, in, out].
-    ``ds_partial`` (activation backward) must be zeroed and ``row_gemm_ds_tiles(n)`` wide."""
+    ``ds_partial`` (activation backward) must be zeroed and ``row_gemm_ds_tiles(n)`` wide.
+    ``tma_weight``: read the weight through a TMA descriptor where the hardware and the tensor
+    allow it (None: only with MOEBLAZE_ROW_TMA=1), always (True: an error where it cannot) or never
+    (False: pointer loads)."""
     rows_total = plan.expert_token_indices.shape[0]
     num_experts = plan.num_experts
     k_dim = a.shape[1]
+    b = weight
+    if tma_weight is None:
+        tma_weight = ROW_TMA and _weight_tma_capable(weight)
+    elif tma_weight and not _weight_tma_capable(weight):
+        raise ValueError(f"row_gemm(tma_weight=True): weight must be on a GPU of compute capability 9.0 or newer, "
+                         f"have unit last stride and 16-byte aligned strides and start; got strides "
+                         f"{weight.stride()} on {weight.device}")
+    if tma_weight:
+        # The box is the first config's weight tile; the configs' pre-hook resizes it to each one's.
+        kw = (config or _row_gemm_kernel.configs[0]).kwargs
+        if epilogue == EPI_ACT_FWD and activation == "swiglu":
+            b = TensorDescriptor.from_tensor(weight.view(num_experts, 2, n, k_dim), [1, 2, kw["BLOCK_N"], kw["BLOCK_K"]])
+        elif transpose_weight:
+            b = TensorDescriptor.from_tensor(weight, [1, kw["BLOCK_N"], kw["BLOCK_K"]])
+        else:
+            b = TensorDescriptor.from_tensor(weight, [1, kw["BLOCK_K"], kw["BLOCK_N"]])
     if transpose_weight:
         stride_bk, stride_bn = weight.stride(2), weight.stride(1)
     else:
@@ -403,7 +473,7 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
     mend, precision = dot_flags(a.dtype)
     grid = lambda meta: ((triton.cdiv(rows_total, meta["BLOCK_M"]) + num_experts) * triton.cdiv(n, meta["BLOCK_N"]),)
     args = (
-        a, weight, out, pre if pre is not None else out,
+        a, b, out, pre if pre is not None else out,
         probs_sorted if probs_sorted is not None else out,
         ds_partial if ds_partial is not None else out,
         plan.expert_token_indices, plan.expert_token_offsets,
@@ -415,6 +485,7 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
     constexprs = dict(
         EPILOGUE=epilogue, ACT=ACTIVATION_IDS[activation], GATHER_A=gather_a, STORE_PRE=store_pre,
         MEND_BF16=mend, PRECISION=precision, E_POW2=max(_next_pow2(num_experts + 1), 16),
+        TMA_B=tma_weight, TRANS_B=tma_weight and transpose_weight,
     )
     _launch(_row_gemm_kernel, grid, args, constexprs, config)
 
