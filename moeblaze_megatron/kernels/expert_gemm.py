@@ -91,9 +91,9 @@ def autotuning() -> bool:
 def row_tma() -> bool:
     """MOEBLAZE_ROW_TMA=1 (an experiment, off by default; read at import): the row GEMMs read the
     weight through a TMA descriptor where one can take it. Per GEMM on the H200 it was bitwise the
-    pointer form and faster (fc1 + SwiGLU: conf4 17.1 -> 13.5 ms, qwen3-like 2.94 -> 2.57; dH and
-    dX 0-8%; benchmarks/results/2026-11-29-h200-v5), but the autotuned layer has not yet run on
-    a GPU with it."""
+    pointer form, fc1 + SwiGLU much faster (conf4 17.1 -> 13.5 ms, qwen3-like 2.94 -> 2.57), dH and
+    dX within a few percent either way (benchmarks/results/2026-11-29-h200-v5); the autotuned
+    layer has not yet run on a GPU with it."""
     value = os.environ.get("MOEBLAZE_ROW_TMA", "0")
     if value not in ("0", "1"):
         raise ValueError(f"MOEBLAZE_ROW_TMA must be 0 or 1, got {value!r}")
