@@ -137,7 +137,7 @@ def test_layer_with_tma_weight_gradients_is_bitwise_pointer_loads(monkeypatch, d
     grads = []
     for tma in (True, False):
         if not tma:
-            monkeypatch.setattr(eg, "_tma_capable", lambda ordered, rows_total: False)
+            monkeypatch.setattr(eg, "_ragged_tma_takes", lambda ordered, rows_total: False)
         leaves = [t.clone().requires_grad_() for t in (x, probs, fc1, fc2)]
         y = moe_mlp(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="triton")
         y.backward(gy)

@@ -429,13 +429,13 @@ def _launch(kernel, grid, args, constexprs, config):
         kernel.fn[grid](*args, **constexprs, **config.all_kwargs())
 
 
-def _weight_tma_capable(weight) -> bool:
-    """Whether a TMA descriptor can take the weight: Hopper or newer (or the interpreter), unit
-    last stride, the other strides and the start 16-byte aligned."""
-    if weight.is_cuda and torch.cuda.get_device_capability(weight.device) < (9, 0):
+def _tma_takes(t) -> bool:
+    """Whether a TMA descriptor can take ``t``: Hopper or newer (or the interpreter), unit last
+    stride, the other strides and the start 16-byte aligned."""
+    if t.is_cuda and torch.cuda.get_device_capability(t.device) < (9, 0):
         return False
-    return (weight.stride(2) == 1 and weight.data_ptr() % 16 == 0
-            and all((weight.stride(i) * weight.element_size()) % 16 == 0 for i in (0, 1)))
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((stride * t.element_size()) % 16 == 0 for stride in t.stride()[:-1]))
 
 
 def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, activation="swiglu",
@@ -452,8 +452,8 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
     k_dim = a.shape[1]
     b = weight
     if tma_weight is None:
-        tma_weight = ROW_TMA and _weight_tma_capable(weight)
-    elif tma_weight and not _weight_tma_capable(weight):
+        tma_weight = ROW_TMA and _tma_takes(weight)
+    elif tma_weight and not _tma_takes(weight):
         raise ValueError(f"row_gemm(tma_weight=True): weight must be on a GPU of compute capability 9.0 or newer, "
                          f"have unit last stride and 16-byte aligned strides and start; got strides "
                          f"{weight.stride()} on {weight.device}")
@@ -527,13 +527,10 @@ def row_gemm_ds_tiles(n: int) -> int:
     return triton.cdiv(n, min(c.kwargs["BLOCK_N"] for c in kept))
 
 
-def _tma_capable(ordered, rows_total: int) -> bool:
-    """Whether a ragged TMA descriptor can take ``ordered``: Hopper or newer (or the interpreter),
-    at most 2**30 rows, unit column stride, rows 16 bytes apart and a 16-byte aligned start."""
-    if ordered.is_cuda and torch.cuda.get_device_capability(ordered.device) < (9, 0):
-        return False
-    return (rows_total <= 2**30 and ordered.stride(1) == 1 and (ordered.stride(0) * ordered.element_size()) % 16 == 0
-            and ordered.data_ptr() % 16 == 0)
+def _ragged_tma_takes(ordered, rows_total: int) -> bool:
+    """Whether a ragged TMA descriptor can take ``ordered``: as ``_tma_takes``, and at most 2**30
+    rows (the ragged descriptor's row coordinates)."""
+    return rows_total <= 2**30 and _tma_takes(ordered)
 
 
 def weight_grad(a, b, out, plan, *, gather_a, gather_b, config=None, tma=None):
@@ -550,11 +547,11 @@ def weight_grad(a, b, out, plan, *, gather_a, gather_b, config=None, tma=None):
     strides = (a.stride(0), b.stride(0), out.stride(0), out.stride(1))
     name, ordered = ("a", a) if gather_b else ("b", b)
     if tma is None:
-        tma = gather_a != gather_b and _tma_capable(ordered, rows_total)
+        tma = gather_a != gather_b and _ragged_tma_takes(ordered, rows_total)
     elif tma:
         if gather_a == gather_b:
             raise ValueError("weight_grad(tma=True) needs exactly one gathered operand, got gather_a == gather_b")
-        if not _tma_capable(ordered, rows_total):
+        if not _ragged_tma_takes(ordered, rows_total):
             raise ValueError(
                 f"weight_grad(tma=True): {name} must be on a GPU of compute capability 9.0 or newer, have at "
                 f"most 2**30 rows, unit column stride, rows a multiple of 16 bytes apart and a 16-byte aligned "
