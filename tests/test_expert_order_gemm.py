@@ -37,6 +37,8 @@ def test_grouped_mm_applies_to_bfloat16_on_hopper_only(monkeypatch):
     assert eg.grouped_mm_applies(torch.empty(4, k).bfloat16(), w, transpose_weight=False)
     assert not eg.grouped_mm_applies(torch.empty(4, k + 8).bfloat16(), w, transpose_weight=False)
     assert eg.grouped_mm_applies(torch.empty(4, 4 * k).bfloat16(), w, transpose_weight=True)
+    # A weight whose rows are not 16 bytes apart stays on the kernel.
+    assert not eg.grouped_mm_applies(a, torch.randn(2, 8, 12).bfloat16()[:, :, :4], transpose_weight=True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert not eg.grouped_mm_applies(a, w, transpose_weight=True)
 

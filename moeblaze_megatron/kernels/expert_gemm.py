@@ -501,9 +501,10 @@ GROUPED_MM_MAX_K_UNTRANSPOSED = 2048
 
 def grouped_mm_applies(a, weight, *, transpose_weight) -> bool:
     """Whether ``expert_order_gemm`` runs through ``torch._grouped_mm`` (cuBLAS / CUTLASS grouped
-    GEMM): bfloat16 on a GPU of compute capability 9.0 or newer, where it was measured faster."""
+    GEMM): bfloat16 on a GPU of compute capability 9.0 or newer, operands with the 16-byte aligned
+    strides it needs, where it was measured faster."""
     return (a.is_cuda and a.dtype == weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(a.device) >= (9, 0)
+            and _tma_takes(a) and _tma_takes(weight)
             and (transpose_weight or a.shape[1] <= GROUPED_MM_MAX_K_UNTRANSPOSED))
 
 
