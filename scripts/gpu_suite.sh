@@ -11,9 +11,8 @@
 # check and the routing benchmark run; then the layer benchmark with every peer that imports.
 # Each step has its own time limit (seconds, overridable) so the whole fits one 10-minute call;
 # STEPS picks some of them (default: "tests megatron routing layer silu"; "tune" times the six
-# GEMMs config by config, TUNE_ARGS adds tune_kernels.py flags; "tests_row_tma" and "layer_row_tma"
-# rerun tests/gpu and the layer (against grouped_mm) with MOEBLAZE_ROW_TMA=1; LAYER_CONFIGS,
-# LAYER_ACTS, LAYER_IMPLS and LAYER_FLAGS (default --profile) shape the layer steps). Every step's whole output
+# GEMMs config by config, TUNE_ARGS adds tune_kernels.py flags; LAYER_CONFIGS, LAYER_ACTS,
+# LAYER_IMPLS and LAYER_FLAGS (default --profile) shape the layer step). Every step's whole output
 # is kept as $out/STEP.log. Results go to $OUT (default benchmarks/results/latest).
 set -u
 cd "$(dirname "$0")/.."
@@ -23,8 +22,8 @@ export PYTHONUNBUFFERED=1
 steps=" ${STEPS:-tests megatron routing layer silu} "
 for name in $steps; do
   case $name in
-    tests|tests_row_tma|megatron|routing|tune|layer|layer_row_tma|silu) ;;
-    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests tests_row_tma megatron routing tune layer layer_row_tma silu"; exit 1 ;;
+    tests|megatron|routing|tune|layer|silu) ;;
+    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing tune layer silu"; exit 1 ;;
   esac
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -46,8 +45,6 @@ if [ -x .whl/build-megablocks.sh ] && [[ $steps == *" layer "* || $steps == *" s
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv,noheader
 step tests "${TESTS_S:-180}" 6 python3 -m pytest tests/gpu -q -x -p no:cacheprovider
-# The row GEMMs' weights through TMA descriptors (an experiment, off by default).
-step tests_row_tma "${TESTS_S:-180}" 6 env MOEBLAZE_ROW_TMA=1 python3 -m pytest tests/gpu -q -x -p no:cacheprovider
 step megatron "${MEGATRON_S:-120}" 32 python3 scripts/gpu_megatron_check.py --out "$out/gpu_megatron_check.json"
 step routing "${ROUTING_S:-60}" 24 python3 scripts/bench_routing.py --quick --out "$out/bench_routing_quick.json"
 # shellcheck disable=SC2086  # TUNE_ARGS is a list of flags
@@ -60,9 +57,6 @@ fi
 step layer "${LAYER_S:-260}" 200 python3 scripts/bench_layer.py --out "$out" --configs "${LAYER_CONFIGS:-qwen3,7b,conf4,dsv3}" \
   --acts "${LAYER_ACTS:-swiglu}" --reps 5 --impls "${LAYER_IMPLS:-moeblaze,grouped_mm,megatron_sequential,megablocks,liger,scattermoe}" \
   ${LAYER_FLAGS---profile}
-step layer_row_tma "${LAYER_ROW_TMA_S:-150}" 40 env MOEBLAZE_ROW_TMA=1 python3 scripts/bench_layer.py --out "$out" \
-  --tag bench_layer_row_tma --configs "${LAYER_CONFIGS:-qwen3,7b,conf4,dsv3}" --acts "${LAYER_ACTS:-swiglu}" --reps 5 \
-  --impls moeblaze,grouped_mm
 step silu "${SILU_S:-30}" 12 python3 scripts/bench_layer.py --out "$out" --tag bench_layer_silu --configs conf4 --acts silu \
   --reps 5 --impls moeblaze,grouped_mm,megatron_sequential,megablocks,scattermoe
 # The device tool brings back at most 8 files: one archive of everything, and the JSON records.

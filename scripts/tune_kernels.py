@@ -7,10 +7,10 @@ result against the autotuned launch, and reports ms and TFLOP/s next to a dense 
 same size measured in the same run, so a config list can be chosen from numbers rather than
 guesses. Diagnostic ops: dw1_contiguous (dW1 without the gather), dw1_grouped_mm (a gather plus
 torch._grouped_mm, checked against the kernel's dW1), fc2_grouped_mm / dx_grouped_mm (the two
-GEMMs whose rows are already in expert order, as torch._grouped_mm) and dw1_pointer / dw2_pointer
-(the expert-order operand through pointer loads instead of the TMA descriptor the layer uses), and
-the experiment fc1_act_tma / dh_act_bwd_tma / dx_tma (the weight through a TMA descriptor, as
-MOEBLAZE_ROW_TMA=1 makes the layer do).
+GEMMs whose rows are already in expert order, as torch._grouped_mm), dw1_pointer / dw2_pointer
+(the expert-order operand through pointer loads instead of the TMA descriptor the layer uses) and
+fc1_act_pointer / dh_act_bwd_pointer / dx_pointer (the weight through pointer loads instead of the
+layer's TMA descriptor).
 
     python scripts/tune_kernels.py --shapes conf4,qwen3,7b --out /tmp/tune
     python scripts/tune_kernels.py --shapes conf6 --activation silu --ops fc1_act,dh_act_bwd
@@ -133,15 +133,15 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
     eg.weight_grad(dy, h_scaled, dw2_kernel, plan, gather_a=True, gather_b=False)
     dw1_pointer, dw2_pointer = torch.empty_like(fc1), torch.empty_like(fc2)
     fc2_kernel, dx_kernel = x.new_empty(rows, d), x.new_empty(rows, d)
-    hid_tma, pre_tma, grad_rows_tma = torch.empty_like(hid), torch.empty_like(pre), x.new_empty(rows, d)
-    h_scaled_tma = torch.empty_like(h_scaled)
+    hid_pointer, pre_pointer, grad_rows_pointer = torch.empty_like(hid), torch.empty_like(pre), x.new_empty(rows, d)
+    h_scaled_pointer = torch.empty_like(h_scaled)
     eg.row_gemm(hid, fc2, fc2_kernel, plan, transpose_weight=True, gather_a=False, n=d)
     eg.row_gemm(dpre, fc1, dx_kernel, plan, transpose_weight=False, gather_a=False, n=d)
     gemm = 2.0 * rows * d * h
     gemm1 = 2.0 * rows * d * width  # fc1, dW1 and dX
     references = {"dw1_grouped_mm": (dw1_kernel,), "dw1_pointer": (dw1_kernel,), "dw2_pointer": (dw2_kernel,),
-                  "fc2_grouped_mm": (fc2_kernel,), "dx_grouped_mm": (dx_kernel,), "fc1_act_tma": fc1_ref,
-                  "dh_act_bwd_tma": dh_ref, "dx_tma": (dx_kernel,)}
+                  "fc2_grouped_mm": (fc2_kernel,), "dx_grouped_mm": (dx_kernel,), "fc1_act_pointer": fc1_ref,
+                  "dh_act_bwd_pointer": dh_ref, "dx_pointer": (dx_kernel,)}
     return plan, references, [
         ("fc1_act", gemm1, "row_glu" if activation == "swiglu" else "row",
          lambda c: eg.row_gemm(x, fc1, hid, plan, transpose_weight=True, epilogue=eg.EPI_ACT_FWD,
@@ -180,21 +180,21 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
         ("dx", gemm1, "row",
          lambda c: eg.row_gemm(dpre, fc1, grad_rows, plan, transpose_weight=False, gather_a=False, n=d, config=c),
          lambda: (grad_rows,), nothing),
-        # Experiment (MOEBLAZE_ROW_TMA): the row GEMMs with the weight through a TMA descriptor,
-        # checked against the pointer form.
-        ("fc1_act_tma", gemm1, "row_glu" if activation == "swiglu" else "row",
-         lambda c: eg.row_gemm(x, fc1, hid_tma, plan, transpose_weight=True, epilogue=eg.EPI_ACT_FWD,
-                               activation=activation, gather_a=True, pre=pre_tma, n=h, config=c, tma_weight=True),
-         lambda: (hid_tma, pre_tma), nothing),
-        ("dh_act_bwd_tma", gemm, "row_act_bwd",
-         lambda c: eg.row_gemm(dy, fc2, h_scaled_tma, plan, transpose_weight=False, epilogue=eg.EPI_ACT_BWD,
+        # Diagnostic: the row GEMMs with the weight through pointer loads (bitwise the TMA form's
+        # result); the difference is what the descriptor buys.
+        ("fc1_act_pointer", gemm1, "row_glu" if activation == "swiglu" else "row",
+         lambda c: eg.row_gemm(x, fc1, hid_pointer, plan, transpose_weight=True, epilogue=eg.EPI_ACT_FWD,
+                               activation=activation, gather_a=True, pre=pre_pointer, n=h, config=c, tma_weight=False),
+         lambda: (hid_pointer, pre_pointer), nothing),
+        ("dh_act_bwd_pointer", gemm, "row_act_bwd",
+         lambda c: eg.row_gemm(dy, fc2, h_scaled_pointer, plan, transpose_weight=False, epilogue=eg.EPI_ACT_BWD,
                                activation=activation, gather_a=True, pre=pre, probs_sorted=probs_sorted,
-                               ds_partial=ds, n=h, config=c, tma_weight=True),
-         lambda: (h_scaled_tma, pre, ds.sum(1)), restore_pre),
-        ("dx_tma", gemm1, "row",
-         lambda c: eg.row_gemm(dpre, fc1, grad_rows_tma, plan, transpose_weight=False, gather_a=False, n=d,
-                               config=c, tma_weight=True),
-         lambda: (grad_rows_tma,), nothing),
+                               ds_partial=ds, n=h, config=c, tma_weight=False),
+         lambda: (h_scaled_pointer, pre, ds.sum(1)), restore_pre),
+        ("dx_pointer", gemm1, "row",
+         lambda c: eg.row_gemm(dpre, fc1, grad_rows_pointer, plan, transpose_weight=False, gather_a=False, n=d,
+                               config=c, tma_weight=False),
+         lambda: (grad_rows_pointer,), nothing),
         # Diagnostic: fc2 and dX as torch._grouped_mm, checked against the kernel's.
         ("fc2_grouped_mm", gemm, "torch", *grouped_mm_rows("fc2", hid, fc2.transpose(1, 2)), nothing),
         ("dx_grouped_mm", gemm1, "torch", *grouped_mm_rows("dx", dpre, fc1), nothing),
@@ -220,7 +220,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default="conf4,qwen3,7b")
     ap.add_argument("--ops", default="fc1_act,fc2,dh_act_bwd,dw2,dw1,dx",
                     help="comma list; also the diagnostic dw1_contiguous, dw1_grouped_mm, dw1_pointer, dw2_pointer, "
-                    "fc2_grouped_mm, dx_grouped_mm, fc1_act_tma, dh_act_bwd_tma, dx_tma")
+                    "fc2_grouped_mm, dx_grouped_mm, fc1_act_pointer, dh_act_bwd_pointer, dx_pointer")
     ap.add_argument("--activation", default="swiglu", choices=sorted(eg.ACTIVATION_IDS))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--configs", default="", help="comma list of label parts (e.g. '128x256,/s5'): time only "

@@ -1,12 +1,8 @@
-"""The row-GEMM kernel's weight through a TMA descriptor (MOEBLAZE_ROW_TMA=1, an experiment):
+"""The row-GEMM kernel's weight through a TMA descriptor (the default where one can take it):
 every epilogue gives the pointer form's bits under the interpreter, at widths that are not
 multiples of the tile (the descriptor's zero fill must stand in for the masks)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -58,9 +54,7 @@ def test_tma_weight_refuses_what_a_descriptor_cannot_take():
 
 
 @pytest.mark.parametrize("weight", ["contiguous", "strided", "misaligned"])
-@pytest.mark.parametrize("switch", [True, False])
-def test_switch_reads_the_weight_through_tma_where_it_can(weight, switch, monkeypatch):
-    monkeypatch.setattr(eg, "ROW_TMA", switch)
+def test_default_reads_the_weight_through_tma_where_it_can(weight, monkeypatch):
     plan = build_routing_plan(torch.tensor([[0], [1], [1]]), 2)
     x = torch.randn(3, 16)
     w = {"contiguous": torch.randn(2, 16, 16), "strided": torch.randn(2, 16, 32)[:, :, ::2],
@@ -69,7 +63,7 @@ def test_switch_reads_the_weight_through_tma_where_it_can(weight, switch, monkey
     monkeypatch.setattr(eg, "_launch", lambda kernel, grid, args, constexprs, config: taken.append(
         (constexprs["TMA_B"], isinstance(args[1], eg.TensorDescriptor))))
     eg.row_gemm(x, w, torch.empty(3, 16), plan, transpose_weight=True, n=16)
-    assert taken == [(switch and weight == "contiguous",) * 2]
+    assert taken == [(weight == "contiguous",) * 2]
 
 
 def test_every_autotuned_row_config_sizes_the_weight_box(monkeypatch):
@@ -89,21 +83,9 @@ def test_every_autotuned_row_config_sizes_the_weight_box(monkeypatch):
             assert list(desc.block_shape) == box
 
 
-@pytest.mark.parametrize("value,ok", [("1", True), ("0", True), ("yes", False)])
-def test_row_tma_switch_is_read_at_import(value, ok):
-    code = ("from moeblaze_megatron.kernels import expert_gemm as eg; "
-            "assert eg.ROW_TMA == (eg.os.environ['MOEBLAZE_ROW_TMA'] == '1')")
-    env = {**os.environ, "MOEBLAZE_ROW_TMA": value, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    if ok:
-        assert run.returncode == 0, run.stderr[-2000:]
-    else:
-        assert run.returncode != 0 and "MOEBLAZE_ROW_TMA must be 0 or 1, got 'yes'" in run.stderr
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["swiglu", "silu"])
-def test_layer_with_the_switch_is_bitwise_the_default(monkeypatch, dtype, activation):
+def test_layer_with_descriptors_is_bitwise_the_pointer_form(monkeypatch, dtype, activation):
     from moeblaze_megatron import moe_mlp
 
     gen = torch.Generator().manual_seed(13)
@@ -119,8 +101,9 @@ def test_layer_with_the_switch_is_bitwise_the_default(monkeypatch, dtype, activa
     launch = eg._launch
     monkeypatch.setattr(eg, "_launch", lambda kernel, grid, args, constexprs, config: launched.append(
         constexprs.get("TMA_B")) or launch(kernel, grid, args, constexprs, config))
-    for switch in (False, True):
-        monkeypatch.setattr(eg, "ROW_TMA", switch)
+    takes = eg._tma_takes
+    for descriptors in (False, True):
+        monkeypatch.setattr(eg, "_tma_takes", takes if descriptors else lambda t: False)
         leaves = [t.clone().requires_grad_() for t in (x, probs, fc1, fc2)]
         y = moe_mlp(leaves[0], ids, leaves[1], leaves[2], leaves[3], activation, backend="triton")
         y.backward(gy)

@@ -88,21 +88,6 @@ def autotuning() -> bool:
     return value == "1"
 
 
-def row_tma() -> bool:
-    """MOEBLAZE_ROW_TMA=1 (an experiment, off by default; read at import): the row GEMMs read the
-    weight through a TMA descriptor where one can take it. Per GEMM on the H200 it was bitwise the
-    pointer form, fc1 + SwiGLU much faster (conf4 17.1 -> 13.5 ms, qwen3-like 2.94 -> 2.57), dH and
-    dX within a few percent either way (benchmarks/results/2026-11-29-h200-v5); the autotuned
-    layer has not yet run on a GPU with it."""
-    value = os.environ.get("MOEBLAZE_ROW_TMA", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"MOEBLAZE_ROW_TMA must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
-ROW_TMA = row_tma()
-
-
 def _set_weight_box(nargs):
     """Config pre-hook: the weight descriptor's box is the config's weight tile."""
     b = nargs["b_ptr"]
@@ -443,16 +428,17 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
              config=None, tma_weight=None):
     """Launch ``_row_gemm_kernel`` over ``n`` output columns; ``weight`` is [E, out, in]
     (``transpose_weight``: multiply by its transpose, as nn.Linear does) or [E, in, out].
-    ``ds_partial`` (activation backward) must be zeroed and ``row_gemm_ds_tiles(n)`` wide.
+    ``ds_partial`` (activation backward): float32, ``row_gemm_ds_tiles(n)`` wide; every used row's
+    partials are written (the rows of unused slots, past the plan's last offset, are not).
     ``tma_weight``: read the weight through a TMA descriptor where the hardware and the tensor
-    allow it (None: only with MOEBLAZE_ROW_TMA=1), always (True: an error where it cannot) or never
-    (False: pointer loads)."""
+    allow it (None, the default: Hopper or newer, an aligned weight), always (True: an error where
+    it cannot) or never (False: pointer loads). Either gives the same bits."""
     rows_total = plan.expert_token_indices.shape[0]
     num_experts = plan.num_experts
     k_dim = a.shape[1]
     b = weight
     if tma_weight is None:
-        tma_weight = ROW_TMA and _tma_takes(weight)
+        tma_weight = _tma_takes(weight)
     elif tma_weight and not _tma_takes(weight):
         raise ValueError(f"row_gemm(tma_weight=True): weight must be on a GPU of compute capability 9.0 or newer, "
                          f"have unit last stride and 16-byte aligned strides and start; got strides "
