@@ -3,10 +3,12 @@
 Forward: GEMM1 gathers x through the plan and applies the activation in its epilogue (saving the
 pre-activations unless recompute="fc1"); GEMM2 multiplies by fc2 in expert order (through
 torch._grouped_mm in bfloat16 on Hopper, as dX at short reductions: expert_order_gemm); the combine
-kernel weights each slot by its router probability and sums a token's K rows.
+kernel weights each slot by its router probability and sums a token's K rows (writing the
+probabilities in expert order for backward on the way).
 Backward: dH = gathered dY @ fc2 with the activation backward, the probability scaling and the
-router-probability gradient <dH, h> in the epilogue, writing d pre over the saved pre-activations;
-dW2 and dW1 as per-expert reductions over gathered rows; dx as d pre @ fc1 summed per token.
+router-probability gradient <dH, h> in the epilogue (partial sums per column tile), writing d pre
+over the saved pre-activations; dW2 and dW1 as per-expert reductions over gathered rows; dx as
+d pre @ fc1 summed per token, the same launch summing the probability gradient's partials.
 The only (T*K, d) tensors are the transient expert-order outputs reduced right after their GEMM.
 """
 
@@ -32,8 +34,11 @@ class TritonMoEMLP(torch.autograd.Function):
                  activation=activation, gather_a=True, pre=pre, store_pre=save_pre, n=ffn)
         expert_out = expert_order_gemm(h, fc2_weight, plan, transpose_weight=True, n=hidden)
         del h
-        y = combine(expert_out, plan.token_index_map, topk_probs, x.dtype)
-        ctx.save_for_backward(x, topk_probs, fc1_weight, fc2_weight, pre, *plan._tensors())
+        # Only the plan's used rows are written (and read by backward's epilogue).
+        probs_sorted = topk_probs.new_empty(rows_total)
+        y = combine(expert_out, plan.token_index_map, topk_probs, x.dtype, probs_sorted=probs_sorted)
+        ctx.save_for_backward(x, probs_sorted, fc1_weight, fc2_weight, pre, *plan._tensors())
+        ctx.probs_dtype = topk_probs.dtype
         ctx.activation = activation
         ctx.pre_overwritten = False
         return y
@@ -42,7 +47,7 @@ class TritonMoEMLP(torch.autograd.Function):
     def backward(ctx, grad_y):
         from ..routing import RoutingPlan
 
-        x, topk_probs, fc1_weight, fc2_weight, pre, *plan_tensors = ctx.saved_tensors
+        x, probs_sorted, fc1_weight, fc2_weight, pre, *plan_tensors = ctx.saved_tensors
         if ctx.pre_overwritten:
             # A second backward through the same graph (retain_graph=True, gradcheck): the first
             # one turned the saved pre-activations into their gradient, so recompute them.
@@ -57,9 +62,9 @@ class TritonMoEMLP(torch.autograd.Function):
         if pre is None:
             pre = x.new_empty(rows_total, fc1_weight.shape[1])
             row_gemm(x, fc1_weight, pre, plan, transpose_weight=True, gather_a=True, n=fc1_weight.shape[1])
-        probs_sorted = plan.permute_probs(topk_probs)
         h_scaled = x.new_empty(rows_total, ffn)
-        ds_partial = torch.zeros(rows_total, row_gemm_ds_tiles(ffn), dtype=torch.float32, device=x.device)
+        # The epilogue writes every used row's partials, the only ones read.
+        ds_partial = torch.empty(rows_total, row_gemm_ds_tiles(ffn), dtype=torch.float32, device=x.device)
         # After this launch `pre` holds d pre.
         row_gemm(grad_y, fc2_weight, h_scaled, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
                  activation=activation, gather_a=True, pre=pre, probs_sorted=probs_sorted,
@@ -73,9 +78,12 @@ class TritonMoEMLP(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_fc1 = torch.empty_like(fc1_weight, memory_format=torch.contiguous_format)
             weight_grad(grad_pre, x, grad_fc1, plan, gather_a=False, gather_b=True)
+        if ctx.needs_input_grad[1]:
+            grad_probs = torch.empty(plan.token_index_map.shape, dtype=ctx.probs_dtype, device=x.device)
         if ctx.needs_input_grad[0]:
             grad_rows = expert_order_gemm(grad_pre, fc1_weight, plan, transpose_weight=False, n=hidden)
-            grad_x = combine(grad_rows, plan.token_index_map, None, x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_probs = plan.unpermute_rows(ds_partial.sum(dim=1)).to(topk_probs.dtype)
+            grad_x = combine(grad_rows, plan.token_index_map, None, x.dtype,
+                             ds_partial=ds_partial if grad_probs is not None else None, grad_probs=grad_probs)
+        elif grad_probs is not None:
+            grad_probs = plan.unpermute_rows(ds_partial.sum(dim=1)).to(ctx.probs_dtype)
         return grad_x, grad_probs, grad_fc1, grad_fc2, None, None, None
