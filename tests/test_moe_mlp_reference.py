@@ -481,3 +481,32 @@ def test_gradients_of_some_inputs_only(backend, wanted, generator):
         assert rel_error(got, want_grads[name], scales[name]) <= REL_TOL[torch.float32], name
     if "topk_probs" in wanted:
         assert bool((problem["topk_probs"].grad[problem["topk_ids"] < 0] == 0).all())
+
+
+@pytest.mark.parametrize("backend", MOE_MLP_BACKENDS)
+def test_strided_inputs(backend, generator):
+    """Views that are not contiguous (every other column of wider tensors, a transposed weight
+    stack) give the contiguous inputs' results and gradients."""
+    problem = make_moe_problem(37, 24, 16, 5, 3, "swiglu", torch.float32, generator, routing="unused")
+    grad_y = torch.randn(37, 24, generator=generator).to(DEVICE)
+    want_y, want_grads = forward_backward(problem, "swiglu", backend, grad_y)
+    wide = {name: torch.zeros(*problem[name].shape[:-1], 2 * problem[name].shape[-1], device=DEVICE)
+            for name in ("x", "topk_probs")}
+    leaves = {}
+    for name, buf in wide.items():
+        buf[..., ::2] = problem[name].detach()
+        leaves[name] = buf.requires_grad_()
+    ids = torch.zeros(37, 6, dtype=torch.long, device=DEVICE)
+    ids[:, ::2] = problem["topk_ids"]
+    fc2_t = problem["fc2_weight"].detach().transpose(1, 2).contiguous().requires_grad_()
+    views = {name: leaves[name][..., ::2] for name in leaves}
+    assert not any(v.is_contiguous() for v in views.values()) and not ids[:, ::2].is_contiguous()
+    y = moe_mlp(views["x"], ids[:, ::2], views["topk_probs"], problem["fc1_weight"], fc2_t.transpose(1, 2),
+                "swiglu", backend=backend)
+    y.backward(grad_y)
+    assert rel_error(y, want_y) <= REL_TOL[torch.float32]
+    for name in ("x", "topk_probs"):
+        got = leaves[name].grad
+        assert rel_error(got[..., ::2], want_grads[name]) <= REL_TOL[torch.float32], name
+        assert bool((got[..., 1::2] == 0).all()), name
+    assert rel_error(fc2_t.grad.transpose(1, 2), want_grads["fc2_weight"]) <= REL_TOL[torch.float32]

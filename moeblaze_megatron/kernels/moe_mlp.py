@@ -24,6 +24,7 @@ class TritonMoEMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute):
         x = x.contiguous()
+        topk_probs = topk_probs.contiguous()  # the combine kernel indexes it as [T, K] row-major
         rows_total = plan.expert_token_indices.shape[0]
         hidden = x.shape[1]
         ffn = fc2_weight.shape[2]
