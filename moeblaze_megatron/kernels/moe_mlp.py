@@ -39,7 +39,6 @@ class TritonMoEMLP(torch.autograd.Function):
         probs_sorted = topk_probs.new_empty(rows_total)
         y = combine(expert_out, plan.token_index_map, topk_probs, x.dtype, probs_sorted=probs_sorted)
         ctx.save_for_backward(x, probs_sorted, fc1_weight, fc2_weight, pre, *plan._tensors())
-        ctx.probs_dtype = topk_probs.dtype
         ctx.activation = activation
         ctx.pre_overwritten = False
         return y
@@ -79,12 +78,13 @@ class TritonMoEMLP(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_fc1 = torch.empty_like(fc1_weight, memory_format=torch.contiguous_format)
             weight_grad(grad_pre, x, grad_fc1, plan, gather_a=False, gather_b=True)
-        if ctx.needs_input_grad[1]:
-            grad_probs = torch.empty(plan.token_index_map.shape, dtype=ctx.probs_dtype, device=x.device)
+        # probs_sorted has the probabilities' dtype; their gradient comes with dx's combine.
         if ctx.needs_input_grad[0]:
+            if ctx.needs_input_grad[1]:
+                grad_probs = torch.empty(plan.token_index_map.shape, dtype=probs_sorted.dtype, device=x.device)
             grad_rows = expert_order_gemm(grad_pre, fc1_weight, plan, transpose_weight=False, n=hidden)
             grad_x = combine(grad_rows, plan.token_index_map, None, x.dtype,
                              ds_partial=ds_partial if grad_probs is not None else None, grad_probs=grad_probs)
-        elif grad_probs is not None:
-            grad_probs = plan.unpermute_rows(ds_partial.sum(dim=1)).to(ctx.probs_dtype)
+        elif ctx.needs_input_grad[1]:
+            grad_probs = plan.unpermute_rows(ds_partial.sum(dim=1)).to(probs_sorted.dtype)
         return grad_x, grad_probs, grad_fc1, grad_fc2, None, None, None
