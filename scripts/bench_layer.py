@@ -56,7 +56,7 @@ CONFIGS = {
 ALIASES = {"conf2": "conf2(filled)", "conf5": "conf5(filled)", "conf6": "conf6(filled)",
            "conf7": "conf7(filled)", "qwen3": "qwen3-30b-like", "7b": "7b-fine-grained", "dsv3": "dsv3-like"}
 # Environment variables that change what moeblaze runs; recorded with the results.
-ENV_KNOBS = ("MOEBLAZE_AUTOTUNE", "TRITON_CACHE_AUTOTUNING")
+ENV_KNOBS = ("MOEBLAZE_AUTOTUNE", "MOEBLAZE_DIRECT_LAUNCH", "TRITON_CACHE_AUTOTUNING")
 IMPLS = ("moeblaze", "moeblaze_fc1", "grouped_mm", "megatron_sequential", "megablocks", "liger", "scattermoe")
 CHECK_TOKENS = 2048
 # An illegal memory access kills the whole process, so a peer known to crash on a shape is skipped.

@@ -5,9 +5,10 @@ with the activation, fc2, dH with the activation backward, dW2, dW1, dX). For ea
 launches the kernel with each candidate ``triton.Config`` (bypassing the autotuner), checks the
 result against the autotuned launch, and reports ms and TFLOP/s next to a dense torch.mm of the
 same size measured in the same run, so a config list can be chosen from numbers rather than
-guesses. Diagnostic ops: dw1_contiguous (dW1 without the gather), dw1_grouped_mm (a gather plus
-torch._grouped_mm, checked against the kernel's dW1), fc2_grouped_mm / dx_grouped_mm (the two
-GEMMs whose rows are already in expert order, as torch._grouped_mm), dw1_pointer / dw2_pointer
+guesses. Diagnostic ops: dw1_contiguous (dW1 without the gather), dw1_grouped_mm /
+dw2_grouped_mm (a gather plus torch._grouped_mm, checked against the kernel's dW1 / dW2),
+fc2_grouped_mm / dx_grouped_mm (the two GEMMs whose rows are already in expert order, as
+torch._grouped_mm), dw1_pointer / dw2_pointer
 (the expert-order operand through pointer loads instead of the TMA descriptor the layer uses) and
 fc1_act_pointer / dh_act_bwd_pointer / dx_pointer (the weight through pointer loads instead of the
 layer's TMA descriptor).
@@ -31,7 +32,7 @@ import triton
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [SCRIPTS, os.path.join(SCRIPTS, "..")]  # bench_layer beside it, the package above
 
-from bench_layer import ALIASES, CONFIGS, rel_err  # noqa: E402  (one table of layer shapes for both scripts)
+from bench_layer import ALIASES, CONFIGS  # noqa: E402  (one table of layer shapes for both scripts)
 from moeblaze_megatron import build_routing_plan  # noqa: E402
 from moeblaze_megatron.kernels import expert_gemm as eg  # noqa: E402
 
@@ -56,6 +57,18 @@ def row_config(bm, bn, bk, gm, w, s):
 
 def wgrad_config(bm, bn, bk, w, s):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+
+
+def rel_err(a, b, chunk=1 << 26):
+    """||a - b|| / ||b|| in float64, ``chunk`` elements of dim-0 slices at a time (dsv3-like's dW1
+    would take 56 GiB in float64 at once)."""
+    step = max(1, chunk // max(1, a[0].numel()))
+    num = den = 0.0
+    for i in range(0, a.shape[0], step):
+        x, y = a[i:i + step].double(), b[i:i + step].double()
+        num += (x - y).square().sum().item()
+        den += y.square().sum().item()
+    return (num / max(den, 1e-300)) ** 0.5
 
 
 def time_op(fn, reset, reps):
@@ -105,13 +118,19 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
     dw1_contiguous = torch.empty_like(fc1)
     x_gathered = x.new_empty(rows, d)
     group_ends = plan.expert_token_offsets[1:].to(torch.int32)
-    dw1_grouped, rows_grouped = [], {}
+    dw1_grouped, dw2_grouped, rows_grouped = [], [], {}
 
     def grouped_mm_dw1(config):
         # cuBLAS/CUTLASS grouped GEMM with the reduction split at the expert offsets, as
         # torchtitan's backward computes weight gradients, after gathering x into expert order.
         torch.index_select(x, 0, plan.expert_token_indices, out=x_gathered)
         dw1_grouped[:] = [torch._grouped_mm(dpre.t(), x_gathered, offs=group_ends)]
+
+    def grouped_mm_dw2(config):
+        # The same for dW2, gathering dY.
+        torch.index_select(dy, 0, plan.expert_token_indices, out=x_gathered)
+        dw2_grouped[:] = [torch._grouped_mm(x_gathered.t(), h_scaled, offs=group_ends)]
+
     def grouped_mm_rows(name, a, weight):
         # cuBLAS/CUTLASS grouped GEMM over the rows of each expert, for the row GEMMs whose A is
         # already in expert order (fc2, dX): no gather is needed there.
@@ -139,7 +158,7 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
     eg.row_gemm(dpre, fc1, dx_kernel, plan, transpose_weight=False, gather_a=False, n=d)
     gemm = 2.0 * rows * d * h
     gemm1 = 2.0 * rows * d * width  # fc1, dW1 and dX
-    references = {"dw1_grouped_mm": (dw1_kernel,), "dw1_pointer": (dw1_kernel,), "dw2_pointer": (dw2_kernel,),
+    references = {"dw1_grouped_mm": (dw1_kernel,), "dw2_grouped_mm": (dw2_kernel,), "dw1_pointer": (dw1_kernel,), "dw2_pointer": (dw2_kernel,),
                   "fc2_grouped_mm": (fc2_kernel,), "dx_grouped_mm": (dx_kernel,), "fc1_act_pointer": fc1_ref,
                   "dh_act_bwd_pointer": dh_ref, "dx_pointer": (dx_kernel,)}
     return plan, references, [
@@ -168,6 +187,7 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
          lambda: (dw1_contiguous,), nothing),
         # Diagnostic: the same dW1 as a gather plus torch._grouped_mm, checked against the kernel's.
         ("dw1_grouped_mm", gemm1, "torch", grouped_mm_dw1, lambda: tuple(dw1_grouped), nothing),
+        ("dw2_grouped_mm", gemm, "torch", grouped_mm_dw2, lambda: tuple(dw2_grouped), nothing),
         # Diagnostic: dW1 and dW2 with the expert-order operand through pointer loads (bitwise the
         # TMA form's result); the difference is what the descriptor buys.
         ("dw1_pointer", gemm1, "wgrad",

@@ -249,6 +249,19 @@ def assert_plans_identical(got, want, label: str = "") -> None:
 # MoE MLP oracle and problems
 
 
+def per_expert_weight_grad64(tokens: torch.Tensor, rows: torch.Tensor, plan, gather_a: bool) -> torch.Tensor:
+    """float64 oracle of a weight gradient with one gathered operand: for each expert e,
+    ``tokens[idx(e)]^T @ rows(e)`` (gather_a) or ``rows(e)^T @ tokens[idx(e)]``; zeros for an
+    expert with no rows."""
+    offsets = plan.expert_token_offsets.tolist()
+    idx = plan.expert_token_indices.long()
+    out = []
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        t64, r64 = tokens.double()[idx[lo:hi]], rows.double()[lo:hi]
+        out.append(t64.T @ r64 if gather_a else r64.T @ t64)
+    return torch.stack(out)
+
+
 def _activation64(pre: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "swiglu":
         gate, up = pre.chunk(2, dim=-1)  # Megatron's GLU layout: [gate | up]

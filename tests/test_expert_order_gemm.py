@@ -1,15 +1,18 @@
-"""fc2 and dX, whose rows are already in expert order, go through torch._grouped_mm where it
-applies (bfloat16 on Hopper) and through the row-GEMM kernel elsewhere: both branches against a
-float64 product per expert, on the CPU (the grouped branch forced, as torch runs it there too)."""
+"""The GEMMs that can run through torch._grouped_mm (bfloat16 on Hopper): fc2 and dX, whose rows
+are already in expert order, and, for experts at least as wide as the model, the weight gradients
+as a gather into expert order plus the grouped GEMM. Both branches against float64 per expert on
+the CPU (the grouped branch forced, as torch runs it there too), with the rows of unused slots
+poisoned and experts that get no rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import rel_error
+from conftest import per_expert_weight_grad64, rel_error
 from moeblaze_megatron import build_routing_plan, moe_mlp
 from moeblaze_megatron.kernels import expert_gemm as eg
+from moeblaze_megatron.kernels import moe_mlp as kernels_moe_mlp
 
 
 def _ids(T, E, K, kind, gen):
@@ -28,7 +31,7 @@ def test_grouped_mm_applies_to_bfloat16_on_hopper_only(monkeypatch):
     assert not eg.grouped_mm_applies(a, w, transpose_weight=True)  # CPU
     # As on an H200 (compute capability 9.0): dtype and, untransposed, the reduction length decide.
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(eg, "_capability", lambda index: (9, 0))
     assert eg.grouped_mm_applies(a, w, transpose_weight=True)
     assert eg.grouped_mm_applies(a, w, transpose_weight=False)
     assert not eg.grouped_mm_applies(a.float(), w.float(), transpose_weight=True)
@@ -39,7 +42,7 @@ def test_grouped_mm_applies_to_bfloat16_on_hopper_only(monkeypatch):
     assert eg.grouped_mm_applies(torch.empty(4, 4 * k).bfloat16(), w, transpose_weight=True)
     # A weight whose rows are not 16 bytes apart stays on the kernel.
     assert not eg.grouped_mm_applies(a, torch.randn(2, 8, 12).bfloat16()[:, :, :4], transpose_weight=True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(eg, "_capability", lambda index: (8, 0))
     assert not eg.grouped_mm_applies(a, w, transpose_weight=True)
 
 
@@ -63,11 +66,13 @@ def test_expert_order_gemm_matches_float64_per_expert(monkeypatch, grouped, tran
     assert rel_error(out[:used], expected) < 1e-2
 
 
-def test_layer_through_grouped_mm_matches_the_kernel_path(monkeypatch):
+@pytest.mark.parametrize("kind", ["random", "dropped"])
+@pytest.mark.parametrize("switch", ["expert_order_rows", "weight_grads"])
+def test_layer_through_grouped_mm_matches_the_kernel_path(monkeypatch, switch, kind):
     gen = torch.Generator().manual_seed(3)
     T, d, h, E, K = 29, 32, 24, 5, 2
     x = torch.randn(T, d, generator=gen).bfloat16()
-    ids = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
+    ids = _ids(T, E, K, kind, gen)
     probs = torch.rand(T, K, generator=gen).bfloat16()
     fc1 = (torch.randn(E, 2 * h, d, generator=gen) * d**-0.5).bfloat16()
     fc2 = (torch.randn(E, d, h, generator=gen) * h**-0.5).bfloat16()
@@ -77,11 +82,53 @@ def test_layer_through_grouped_mm_matches_the_kernel_path(monkeypatch):
     monkeypatch.setattr(torch, "_grouped_mm", lambda *args, **kw: calls.append(1) or grouped_mm(*args, **kw))
     results = []
     for grouped in (False, True):
-        monkeypatch.setattr(eg, "grouped_mm_applies", lambda a, weight, transpose_weight, grouped=grouped: grouped)
+        if switch == "expert_order_rows":
+            monkeypatch.setattr(eg, "grouped_mm_applies", lambda a, weight, transpose_weight, grouped=grouped: grouped)
+        else:
+            monkeypatch.setattr(kernels_moe_mlp, "grouped_weight_grads_apply", lambda x, ffn, grouped=grouped: grouped)
         leaves = [t.clone().requires_grad_() for t in (x, probs, fc1, fc2)]
         y = moe_mlp(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="triton")
         y.backward(gy)
         results.append([y.detach()] + [t.grad for t in leaves])
-    assert len(calls) == 2  # fc2 and dX, in the second pass only
+    assert len(calls) == 2  # fc2 and dX, or dW2 and dW1: in the second pass only
     for kernel, grouped in zip(*results):
         assert rel_error(grouped, kernel) < 1e-2
+    if switch == "weight_grads":  # y, dx and dprobs took the same path both times
+        for kernel, grouped in zip(results[0][:3], results[1][:3]):
+            assert torch.equal(kernel, grouped)
+
+
+@pytest.mark.parametrize("gather_a", [True, False])
+@pytest.mark.parametrize("kind", ["random", "empty_expert", "dropped"])
+def test_gathered_weight_grad_matches_float64_per_expert(gather_a, kind):
+    gen = torch.Generator().manual_seed(hash((gather_a, kind)) % 2**31)
+    T, E, K, rows_width, token_width = 41, 6, 2, 24, 40  # not multiples of any tile
+    plan = build_routing_plan(_ids(T, E, K, kind, gen), E)
+    offsets = plan.expert_token_offsets.tolist()
+    rows = torch.randn(T * K, rows_width, generator=gen).bfloat16()
+    rows[offsets[-1]:] = float("nan")  # unused slots' rows: never written by the kernels before it
+    tokens = torch.randn(T, token_width, generator=gen).bfloat16()
+    buffer = torch.full((T * K, token_width), float("nan"), dtype=torch.bfloat16)
+    a, b = (tokens, rows) if gather_a else (rows, tokens)
+    out = eg.gathered_weight_grad(a, b, plan, gather_a=gather_a, buffer=buffer)
+    expected = per_expert_weight_grad64(tokens, rows, plan, gather_a)
+    assert out.shape == expected.shape and out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+    assert rel_error(out, expected) < 1e-2
+    for e in range(E):
+        if offsets[e] == offsets[e + 1]:
+            assert (out[e] == 0).all()
+
+
+def test_grouped_weight_grads_apply_to_wide_bfloat16_experts_on_hopper_only(monkeypatch):
+    x = torch.randn(4, 16).bfloat16()
+    assert not eg.grouped_weight_grads_apply(x, 64)  # CPU
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(eg, "_capability", lambda index: (9, 0))
+    assert eg.grouped_weight_grads_apply(x, 64)
+    assert eg.grouped_weight_grads_apply(x, 16)
+    assert not eg.grouped_weight_grads_apply(x, 8)  # fine-grained experts stay on the kernel
+    assert not eg.grouped_weight_grads_apply(x.half(), 64)
+    assert not eg.grouped_weight_grads_apply(x.float(), 64)
+    monkeypatch.setattr(eg, "_capability", lambda index: (8, 0))
+    assert not eg.grouped_weight_grads_apply(x, 64)

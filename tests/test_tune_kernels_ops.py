@@ -33,8 +33,8 @@ def _run(ops, name):
 
 def test_every_op_writes_finite_outputs(layer):
     _, _, ops, _ = layer
-    assert {"fc1_act", "fc2", "dh_act_bwd", "dw2", "dw1", "dw1_contiguous", "dw1_grouped_mm", "dw1_pointer",
-            "dw2_pointer", "dx", "fc2_grouped_mm", "dx_grouped_mm", "fc1_act_pointer",
+    assert {"fc1_act", "fc2", "dh_act_bwd", "dw2", "dw1", "dw1_contiguous", "dw1_grouped_mm", "dw2_grouped_mm",
+            "dw1_pointer", "dw2_pointer", "dx", "fc2_grouped_mm", "dx_grouped_mm", "fc1_act_pointer",
             "dh_act_bwd_pointer", "dx_pointer"} <= set(ops)
     for name in ops:
         if name.endswith("_grouped_mm"):
@@ -55,6 +55,9 @@ def test_weight_gradient_ops_agree_with_a_float64_reduction(layer):
     grouped_mm = _run(ops, "dw1_grouped_mm")[0]
     assert grouped_mm.shape == dw1.shape
     assert rel_error(grouped_mm, references["dw1_grouped_mm"][0]) < 1e-2
+    dw2_grouped_mm = _run(ops, "dw2_grouped_mm")[0]
+    assert dw2_grouped_mm.shape == references["dw2_grouped_mm"][0].shape
+    assert rel_error(dw2_grouped_mm, references["dw2_grouped_mm"][0]) < 1e-2
 
 
 def test_pointer_load_diagnostics_give_the_kernels_bits(layer):
@@ -80,3 +83,12 @@ def test_weight_through_pointer_diagnostics_give_the_tma_forms_bits(layer):
         assert len(got) == len(references[name])
         for out, ref in zip(got, references[name]):
             assert torch.equal(out, ref), name
+
+
+def test_chunked_relative_error_matches_the_whole_tensor_formula():
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(7, 5, 3, generator=gen)
+    b = a + 0.01 * torch.randn(7, 5, 3, generator=gen)
+    whole = ((a.double() - b.double()).norm() / b.double().norm()).item()
+    for chunk in (1, 15, 16, 1 << 26):  # one row, exactly one slice, a slice and a bit, everything
+        assert abs(tune_kernels.rel_err(a, b, chunk=chunk) - whole) < 1e-12 * whole

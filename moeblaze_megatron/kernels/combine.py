@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv, launch, next_pow2
 from .numerics import dot_flags, to_storage
 
 BLOCK_T = 32
@@ -84,15 +85,15 @@ def combine(rows: torch.Tensor, token_index_map: torch.Tensor, probs: torch.Tens
         raise ValueError("combine: one of probs_sorted and grad_probs per launch")
     side = probs_sorted if probs_sorted is not None else grad_probs
     out = torch.empty(num_tokens, width, dtype=out_dtype, device=rows.device)
-    grid = (triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(width, BLOCK_D))
+    grid = (cdiv(num_tokens, BLOCK_T), cdiv(width, BLOCK_D))
     n_ds = ds_partial.shape[1] if ds_partial is not None else 1
-    _combine_kernel[grid](
-        rows, token_index_map, probs if probs is not None else rows, out, side if side is not None else out,
-        ds_partial if ds_partial is not None else rows, num_tokens, width, n_ds,
-        rows.stride(0), out.stride(0), ds_partial.stride(0) if ds_partial is not None else 0,
+    args = (rows, token_index_map, probs if probs is not None else rows, out, side if side is not None else out,
+            ds_partial if ds_partial is not None else rows, num_tokens, width, n_ds,
+            rows.stride(0), out.stride(0), ds_partial.stride(0) if ds_partial is not None else 0)
+    launch(_combine_kernel, grid, args, dict(
         K=topk, HAS_PROBS=probs is not None, SCATTER_PROBS=probs_sorted is not None,
-        GATHER_DS=ds_partial is not None, DS_BLOCK=triton.next_power_of_2(n_ds),
+        GATHER_DS=ds_partial is not None, DS_BLOCK=next_pow2(n_ds),
         MEND_BF16=dot_flags(out_dtype)[0], MEND_SIDE=side is not None and dot_flags(side.dtype)[0],
         BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-    )
+    ))
     return out

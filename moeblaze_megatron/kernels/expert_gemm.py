@@ -23,6 +23,7 @@ Row tiles never straddle two experts: row-tile i is mapped to its expert inside 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -31,6 +32,7 @@ import triton.language as tl
 from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .launch import cdiv, launch, next_pow2
 from .numerics import dot, dot_flags, interpreting, to_storage
 
 ACT_SWIGLU, ACT_SILU, ACT_GELU = 0, 1, 2
@@ -401,23 +403,24 @@ def autotune_picks() -> dict[str, str]:
             for kernel in (_row_gemm_kernel, _weight_grad_kernel) for key, config in kernel.cache.items()}
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def _launch(kernel, grid, args, constexprs, config):
     """Launch through the autotuner, or with one fixed ``triton.Config`` (scripts/tune_kernels.py
     times configs one by one this way)."""
     if config is None:
-        kernel[grid](*args, **constexprs)
+        launch(kernel, grid, args, constexprs)
     else:
         kernel.fn[grid](*args, **constexprs, **config.all_kwargs())
+
+
+@functools.cache
+def _capability(index):
+    return torch.cuda.get_device_capability(index)
 
 
 def _tma_takes(t) -> bool:
     """Whether a TMA descriptor can take ``t``: Hopper or newer (or the interpreter), unit last
     stride, the other strides and the start 16-byte aligned."""
-    if t.is_cuda and torch.cuda.get_device_capability(t.device) < (9, 0):
+    if t.is_cuda and _capability(t.device.index) < (9, 0):
         return False
     return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
             and all((stride * t.element_size()) % 16 == 0 for stride in t.stride()[:-1]))
@@ -457,20 +460,20 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
     else:
         stride_bk, stride_bn = weight.stride(1), weight.stride(2)
     mend, precision = dot_flags(a.dtype)
-    grid = lambda meta: ((triton.cdiv(rows_total, meta["BLOCK_M"]) + num_experts) * triton.cdiv(n, meta["BLOCK_N"]),)
+    grid = lambda meta: ((cdiv(rows_total, meta["BLOCK_M"]) + num_experts) * cdiv(n, meta["BLOCK_N"]),)
     args = (
         a, b, out, pre if pre is not None else out,
         probs_sorted if probs_sorted is not None else out,
         ds_partial if ds_partial is not None else out,
         plan.expert_token_indices, plan.expert_token_offsets,
-        rows_total, _next_pow2(rows_total), n, k_dim, num_experts,
+        rows_total, next_pow2(rows_total), n, k_dim, num_experts,
         a.stride(0), a.stride(1), weight.stride(0), stride_bk, stride_bn,
         out.stride(0), pre.stride(0) if pre is not None else 0,
         ds_partial.stride(0) if ds_partial is not None else 0,
     )
     constexprs = dict(
         EPILOGUE=epilogue, ACT=ACTIVATION_IDS[activation], GATHER_A=gather_a, STORE_PRE=store_pre,
-        MEND_BF16=mend, PRECISION=precision, E_POW2=max(_next_pow2(num_experts + 1), 16),
+        MEND_BF16=mend, PRECISION=precision, E_POW2=max(next_pow2(num_experts + 1), 16),
         TMA_B=tma_weight, TRANS_B=tma_weight and transpose_weight,
     )
     _launch(_row_gemm_kernel, grid, args, constexprs, config)
@@ -511,7 +514,35 @@ def row_gemm_ds_tiles(n: int) -> int:
     """The column tiles of the activation-backward epilogue (its ds width), for every config it
     may run."""
     kept = _prune_row_gemm(_row_gemm_kernel.configs, {}, EPILOGUE=EPI_ACT_BWD)
-    return triton.cdiv(n, min(c.kwargs["BLOCK_N"] for c in kept))
+    return cdiv(n, min(c.kwargs["BLOCK_N"] for c in kept))
+
+
+# A gather into expert order plus torch._grouped_mm (the reduction split at the expert offsets)
+# against the weight-gradient kernel on the H200 (scripts/tune_kernels.py dw1_grouped_mm /
+# dw2_grouped_mm, gather included; benchmarks/results/2026-11-29-h200-v7): faster on every shape
+# with experts at least as wide as the model (dW1 / dW2 in ms: conf3 2.11 -> 1.62 / 1.12 -> 0.83,
+# conf4 16.7 -> 15.0 / 8.6 -> 6.9, conf5 2.11 -> 1.58 / 1.08 -> 0.90, conf6 7.87 -> 6.81 /
+# 4.34 -> 3.71, conf7 1.85 -> 1.67 / 0.89 -> 0.94), even or slower on the fine-grained ones
+# (qwen3-like 2.93 -> 2.95 / 1.63 -> 1.81, 7B-like 0.59 -> 0.80 / 0.29 -> 0.57).
+def grouped_weight_grads_apply(x, ffn: int) -> bool:
+    """Whether the weight gradients run as ``gathered_weight_grad``: bfloat16 on a GPU of compute
+    capability 9.0 or newer, experts at least as wide as x (``ffn >= hidden``)."""
+    return (ffn >= x.shape[1] and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and _capability(x.device.index) >= (9, 0))
+
+
+def gathered_weight_grad(a, b, plan, *, gather_a, buffer):
+    """``weight_grad``'s result for exactly one gathered operand (A when ``gather_a``, else B) as a
+    gather of that operand into expert order, into ``buffer`` [T*K, its width], and
+    ``torch._grouped_mm`` with the reduction split at the expert offsets; returns [E, M, N].
+    Rows of unused slots (past the plan's last offset) are outside every group: not read."""
+    # An unused slot's -1 would fail index_select; its row is never read.
+    index = plan.expert_token_indices.clamp(min=0)
+    if gather_a:
+        a = torch.index_select(a, 0, index, out=buffer)
+    else:
+        b = torch.index_select(b, 0, index, out=buffer)
+    return torch._grouped_mm(a.t(), b, offs=plan.expert_token_offsets[1:])
 
 
 def _ragged_tma_takes(ordered, rows_total: int) -> bool:
@@ -530,7 +561,7 @@ def weight_grad(a, b, out, plan, *, gather_a, gather_b, config=None, tma=None):
     num_experts = plan.num_experts
     mend, precision = dot_flags(a.dtype)
     rows_total = plan.expert_token_indices.shape[0]
-    grid = lambda meta: (triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]), num_experts)
+    grid = lambda meta: (cdiv(m_dim, meta["BLOCK_M"]) * cdiv(n_dim, meta["BLOCK_N"]), num_experts)
     strides = (a.stride(0), b.stride(0), out.stride(0), out.stride(1))
     name, ordered = ("a", a) if gather_b else ("b", b)
     if tma is None:
@@ -553,7 +584,7 @@ def weight_grad(a, b, out, plan, *, gather_a, gather_b, config=None, tma=None):
             b = create_ragged_descriptor(b, [kw["BLOCK_K"], kw["BLOCK_N"]])
     args = (
         a, b, out, plan.expert_token_indices, plan.expert_token_offsets,
-        _next_pow2(rows_total), m_dim, n_dim, num_experts, *strides,
+        next_pow2(rows_total), m_dim, n_dim, num_experts, *strides,
     )
     constexprs = dict(GATHER_A=gather_a, GATHER_B=gather_b, TMA=tma, MEND_BF16=mend, PRECISION=precision)
     _launch(_weight_grad_kernel, grid, args, constexprs, config)

@@ -9,7 +9,9 @@ Backward: dH = gathered dY @ fc2 with the activation backward, the probability s
 router-probability gradient <dH, h> in the epilogue (partial sums per column tile), writing d pre
 over the saved pre-activations; dW2 and dW1 as per-expert reductions over gathered rows; dx as
 d pre @ fc1 summed per token, the same launch summing the probability gradient's partials.
-The only (T*K, d) tensors are the transient expert-order outputs reduced right after their GEMM.
+The only (T*K, d) tensors are transient: the expert-order outputs reduced right after their GEMM,
+and, for experts at least as wide as the model, one buffer that holds dY, then x, gathered for
+the weight gradients' grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -17,7 +19,16 @@ from __future__ import annotations
 import torch
 
 from .combine import combine
-from .expert_gemm import EPI_ACT_BWD, EPI_ACT_FWD, expert_order_gemm, row_gemm, row_gemm_ds_tiles, weight_grad
+from .expert_gemm import (
+    EPI_ACT_BWD,
+    EPI_ACT_FWD,
+    expert_order_gemm,
+    gathered_weight_grad,
+    grouped_weight_grads_apply,
+    row_gemm,
+    row_gemm_ds_tiles,
+    weight_grad,
+)
 
 
 class TritonMoEMLP(torch.autograd.Function):
@@ -71,13 +82,17 @@ class TritonMoEMLP(torch.autograd.Function):
                  ds_partial=ds_partial, n=ffn)
         grad_pre = pre
         grad_x = grad_probs = grad_fc1 = grad_fc2 = None
+        # Where the grouped GEMM wins, one transient [T*K, d] buffer takes dY, then x, in expert
+        # order: it can raise the peak by its size (conf4 5154 -> 5666 MiB on the H200, half the
+        # lowest peer's).
+        grouped = grouped_weight_grads_apply(x, ffn) and (ctx.needs_input_grad[2] or ctx.needs_input_grad[3])
+        gathered = x.new_empty(rows_total, hidden) if grouped else None
         if ctx.needs_input_grad[3]:
-            grad_fc2 = torch.empty_like(fc2_weight, memory_format=torch.contiguous_format)
-            weight_grad(grad_y, h_scaled, grad_fc2, plan, gather_a=True, gather_b=False)
+            grad_fc2 = _weight_gradient(fc2_weight, grad_y, h_scaled, plan, gather_a=True, gathered=gathered)
         del h_scaled
         if ctx.needs_input_grad[2]:
-            grad_fc1 = torch.empty_like(fc1_weight, memory_format=torch.contiguous_format)
-            weight_grad(grad_pre, x, grad_fc1, plan, gather_a=False, gather_b=True)
+            grad_fc1 = _weight_gradient(fc1_weight, grad_pre, x, plan, gather_a=False, gathered=gathered)
+        del gathered
         # probs_sorted has the probabilities' dtype; their gradient comes with dx's combine.
         if ctx.needs_input_grad[0]:
             if ctx.needs_input_grad[1]:
@@ -88,3 +103,13 @@ class TritonMoEMLP(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:
             grad_probs = plan.unpermute_rows(ds_partial.sum(dim=1)).to(probs_sorted.dtype)
         return grad_x, grad_probs, grad_fc1, grad_fc2, None, None, None
+
+
+def _weight_gradient(weight, a, b, plan, *, gather_a, gathered):
+    """The gradient of ``weight`` from A^T @ B per expert (one operand gathered): through the
+    grouped GEMM into ``gathered`` where given, the weight-gradient kernel otherwise."""
+    if gathered is not None:
+        return gathered_weight_grad(a, b, plan, gather_a=gather_a, buffer=gathered)
+    out = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    weight_grad(a, b, out, plan, gather_a=gather_a, gather_b=not gather_a)
+    return out

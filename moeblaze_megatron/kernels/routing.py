@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv, launch, next_pow2
+
 BLOCK_T = 512
 BLOCK_E = 16
 # Cells of one (expert block, token tile) program.
@@ -143,25 +145,22 @@ def three_step_routing_plan(topk_ids: torch.Tensor, num_experts: int):
     token_index_map = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
     token_expert_indices = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
     # Narrow the expert block to the expert count (at least 2 rows) and widen the tile to match.
-    block_e = min(BLOCK_E, max(triton.next_power_of_2(num_experts), 2))
+    block_e = min(BLOCK_E, max(next_pow2(num_experts), 2))
     block_t = TILE_CELLS // block_e
-    num_tiles = max(triton.cdiv(num_tokens, block_t), 1)
-    num_eblocks = triton.cdiv(num_experts, block_e)
+    num_tiles = max(cdiv(num_tokens, block_t), 1)
+    num_eblocks = cdiv(num_experts, block_e)
     dense = torch.empty(num_experts, num_tokens, dtype=torch.int8, device=device)
     # Tile counts, turned into tile bases in place by step (b), then the E expert totals.
     scratch = torch.empty(num_experts * (num_tiles + 1), dtype=torch.int32, device=device)
     tile_counts, expert_totals = scratch[: num_experts * num_tiles], scratch[num_experts * num_tiles :]
     grid = (num_tiles * num_eblocks,)
-    _dense_map_kernel[grid](
-        topk_ids, dense, tile_counts, token_index_map, token_expert_indices,
-        num_tokens, num_experts, num_tiles, num_eblocks, K=topk, BLOCK_T=block_t, BLOCK_E=block_e,
-    )
-    scan_block = min(SCAN_BLOCK, max(triton.next_power_of_2(num_tiles), 128))
-    _tile_offsets_kernel[(num_experts,)](tile_counts, expert_totals, num_tiles, BLOCK=scan_block)
-    _scatter_kernel[grid](
-        dense, tile_counts, expert_totals, offsets, expert_token_indices, token_index_map,
-        token_expert_indices, num_tokens, num_experts, num_tiles, num_eblocks, K=topk,
-        BLOCK_T=block_t, BLOCK_E=block_e,
-        TOTALS_BLOCK=min(triton.next_power_of_2(num_experts), TOTALS_BLOCK),
-    )
+    launch(_dense_map_kernel, grid, (topk_ids, dense, tile_counts, token_index_map, token_expert_indices,
+                                     num_tokens, num_experts, num_tiles, num_eblocks),
+           dict(K=topk, BLOCK_T=block_t, BLOCK_E=block_e))
+    scan_block = min(SCAN_BLOCK, max(next_pow2(num_tiles), 128))
+    launch(_tile_offsets_kernel, (num_experts,), (tile_counts, expert_totals, num_tiles), dict(BLOCK=scan_block))
+    launch(_scatter_kernel, grid, (dense, tile_counts, expert_totals, offsets, expert_token_indices, token_index_map,
+                                   token_expert_indices, num_tokens, num_experts, num_tiles, num_eblocks),
+           dict(K=topk, BLOCK_T=block_t, BLOCK_E=block_e,
+                TOTALS_BLOCK=min(next_pow2(num_experts), TOTALS_BLOCK)))
     return expert_token_indices, offsets, token_expert_indices, token_index_map

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv, launch
+
 # Sorted positions (and slots) per scatter program.
 BLOCK = 1024
 # Experts per search program, and the search's fan-out (a power of two).
@@ -113,10 +115,9 @@ def sort_routing_plan(topk_ids: torch.Tensor, num_experts: int):
     expert_token_indices = torch.empty(n, dtype=torch.int32, device=device)
     token_expert_indices = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
     token_index_map = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
-    num_search = triton.cdiv(num_experts + 1, SEARCH_BLOCK_E)
-    _sort_plan_kernel[(num_search + triton.cdiv(n, BLOCK),)](
-        keys, sorted_keys, slots, expert_token_indices, offsets, token_expert_indices, token_index_map,
-        n, num_experts, num_search, K=topk, BLOCK=BLOCK, BLOCK_E=SEARCH_BLOCK_E, FANOUT=FANOUT,
-        LEVELS=search_levels(FANOUT),
-    )
+    num_search = cdiv(num_experts + 1, SEARCH_BLOCK_E)
+    launch(_sort_plan_kernel, (num_search + cdiv(n, BLOCK),),
+           (keys, sorted_keys, slots, expert_token_indices, offsets, token_expert_indices, token_index_map,
+            n, num_experts, num_search),
+           dict(K=topk, BLOCK=BLOCK, BLOCK_E=SEARCH_BLOCK_E, FANOUT=FANOUT, LEVELS=search_levels(FANOUT)))
     return expert_token_indices, offsets, token_expert_indices, token_index_map

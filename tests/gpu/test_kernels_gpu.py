@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from moeblaze_megatron import build_routing_plan, moe_mlp  # noqa: E402
+from conftest import per_expert_weight_grad64  # noqa: E402
 from moeblaze_megatron.reference import ReferenceMoEMLP  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -116,3 +117,142 @@ def test_index_ranges_past_int32():
     assert _rel(y[rows], y_ref) < 1.5e-2
     assert _rel(xg.grad[rows], xr.grad) < 1.5e-2
     assert _rel(pg.grad[rows], pr.grad) < 1.5e-2
+
+
+def _step(x, ids, probs, fc1, fc2, gy, act="swiglu"):
+    ins = [t.clone().requires_grad_() for t in (x, probs, fc1, fc2)]
+    y = moe_mlp(ins[0], ids, ins[1], ins[2], ins[3], act, backend="triton")
+    y.backward(gy)
+    return [y] + [t.grad for t in ins]
+
+
+def _layer_inputs(T, d, h, E, K, dtype, seed, act="swiglu"):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, d, device="cuda", dtype=dtype, generator=g)
+    ids = torch.randn(T, E, device="cuda", generator=g).topk(K, dim=1).indices
+    probs = torch.rand(T, K, device="cuda", generator=g)
+    rows = 2 * h if act == "swiglu" else h
+    fc1 = (torch.randn(E, rows, d, device="cuda", generator=g) / d**0.5).to(dtype)
+    fc2 = (torch.randn(E, d, h, device="cuda", generator=g) / h**0.5).to(dtype)
+    gy = torch.randn(T, d, device="cuda", dtype=dtype, generator=g)
+    return x, ids, probs, fc1, fc2, gy
+
+
+@pytest.mark.parametrize("dtype,act", [(torch.bfloat16, "swiglu"), (torch.float16, "gelu"), (torch.float32, "silu")])
+def test_direct_launches_match_triton_launches(dtype, act, monkeypatch):
+    """Launches that reuse a cached signature (kernels/launch.py) compute what Triton's own launch
+    path computes, bitwise, for fresh data every step, and a new signature (another shape, a
+    misaligned view) is resolved anew."""
+    from moeblaze_megatron.kernels import launch as launch_mod
+
+    for seed, (T, d, h, E, K) in enumerate([(1500, 256, 384, 16, 4)] * 3 + [(777, 264, 136, 5, 5)] * 2):
+        x, ids, probs, fc1, fc2, gy = _layer_inputs(T, d, h, E, K, dtype, seed, act)
+        if seed == 4:
+            # A storage offset of one element: 16-byte alignment, which Triton specializes on, changes.
+            x = torch.cat([x.new_zeros(1), x.flatten()])[1:].view(T, d)
+            assert x.data_ptr() % 16 != 0
+        direct = _step(x, ids, probs, fc1, fc2, gy, act)
+        with monkeypatch.context() as m:
+            m.setenv("MOEBLAZE_DIRECT_LAUNCH", "0")  # every launch through Triton's path
+            triton_path = _step(x, ids, probs, fc1, fc2, gy, act)
+        for a, b in zip(direct, triton_path):
+            assert torch.equal(a, b)
+    assert launch_mod._entries
+
+
+def test_direct_launches_with_autotuned_configs(monkeypatch):
+    """With several configs to choose from (the autotuner's pick and its pre-hook, which sizes the
+    TMA boxes), cached launches still match Triton's launch path bitwise."""
+    import triton
+
+    from moeblaze_megatron.kernels import expert_gemm as eg
+    from moeblaze_megatron.kernels import launch as launch_mod
+
+    def two(kernel, configs, hook):
+        for config in configs:
+            config.pre_hook = hook
+        monkeypatch.setattr(kernel, "configs", configs)
+        monkeypatch.setattr(kernel, "cache", {})
+
+    two(eg._row_gemm_kernel, [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4,
+                                            num_stages=3),
+                              triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=8,
+                                            num_stages=3)], eg._set_weight_box)
+    two(eg._weight_grad_kernel, [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3),
+                                 triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8,
+                                               num_stages=3)], eg._set_tma_box)
+    monkeypatch.setattr(launch_mod, "_entries", {})  # none resolved with the configs replaced here
+    x, ids, probs, fc1, fc2, gy = _layer_inputs(1024, 256, 512, 8, 2, torch.bfloat16, 7)
+    for _ in range(2):
+        direct = _step(x, ids, probs, fc1, fc2, gy)
+        with monkeypatch.context() as m:
+            m.setenv("MOEBLAZE_DIRECT_LAUNCH", "0")
+            triton_path = _step(x, ids, probs, fc1, fc2, gy)
+        for a, b in zip(direct, triton_path):
+            assert torch.equal(a, b)
+
+
+def test_launch_hooks_see_every_launch():
+    """With a Triton launch hook set (a profiler's), launches go through Triton, so the hook sees them."""
+    import triton
+
+    seen = []
+    hook = triton.knobs.runtime.launch_enter_hook
+    # Experts narrower than the model, so the weight gradients run on the Triton kernel too.
+    x, ids, probs, fc1, fc2, gy = _layer_inputs(512, 256, 128, 4, 2, torch.bfloat16, 1)
+    _step(x, ids, probs, fc1, fc2, gy)  # the signatures are cached
+    record = lambda metadata: seen.append(metadata)  # noqa: E731
+    hook.add(record)
+    try:
+        _step(x, ids, probs, fc1, fc2, gy)
+    finally:
+        hook.remove(record)
+    # The plan's three kernels, fc1, the combine, dH, dW2, dW1 and dx's combine: nine Triton launches.
+    assert len(seen) == 9
+
+
+def test_direct_launch_takes_each_calls_grid():
+    """Two launches with the same arguments and different grids (a grid may depend on values the
+    arguments do not hold): each runs its own grid."""
+    import triton
+    import triton.language as tl
+
+    from moeblaze_megatron.kernels.launch import launch
+
+    @triton.jit
+    def mark(out_ptr, BLOCK: tl.constexpr):
+        tl.store(out_ptr + tl.program_id(0), tl.program_id(0) + 1)
+
+    out = torch.zeros(16, dtype=torch.int32, device="cuda")
+    for programs in (4, 4, 9, 16, 3):
+        out.zero_()
+        launch(mark, (programs,), (out,), {"BLOCK": 1})
+        expected = torch.zeros(16, dtype=torch.int32)
+        expected[:programs] = torch.arange(1, programs + 1)
+        assert torch.equal(out.cpu(), expected)
+
+
+@pytest.mark.parametrize("gather_a", [True, False])
+@pytest.mark.parametrize("kind", ["random", "one_expert_set", "dropped"])
+def test_gathered_weight_grad_on_the_gpu(gather_a, kind):
+    """The grouped GEMM's weight gradients (experts at least as wide as the model) against float64
+    per expert, with the rows of unused slots poisoned and experts that get no rows."""
+    from moeblaze_megatron.kernels import expert_gemm as eg
+
+    torch.manual_seed(11)
+    T, E, K, rows_width, token_width = 3000, 16, 4, 520, 264
+    ids = _routing(T, E, K, kind, "cuda")
+    plan = build_routing_plan(ids, E)
+    offsets = plan.expert_token_offsets.tolist()
+    rows = torch.randn(T * K, rows_width, device="cuda").bfloat16()
+    rows[offsets[-1]:] = float("nan")
+    tokens = torch.randn(T, token_width, device="cuda").bfloat16()
+    buffer = torch.full((T * K, token_width), float("nan"), device="cuda", dtype=torch.bfloat16)
+    a, b = (tokens, rows) if gather_a else (rows, tokens)
+    out = eg.gathered_weight_grad(a, b, plan, gather_a=gather_a, buffer=buffer)
+    expected = per_expert_weight_grad64(tokens, rows, plan, gather_a)
+    assert torch.isfinite(out).all()
+    assert _rel(out, expected) < 1e-2
+    for e in range(E):
+        if offsets[e] == offsets[e + 1]:
+            assert (out[e] == 0).all()

@@ -1,0 +1,116 @@
+"""Kernel launches with Triton's per-call host work done once per argument signature.
+
+A Triton launch costs the host far more than the GPU needs to start a kernel: on the H200
+machine an fc1 launch through the autotuner took ~180 us and the same compiled kernel called
+directly 9 us (scripts/host_overhead.py). Where the GPU is idle (a layer's first launches, small
+shapes) the GPU waits on that host time. ``launch`` runs the first launch of every argument
+signature through Triton as usual (autotuning, compiling) and keeps what it resolved: the compiled
+kernel, the config and the constexpr values. Later launches with the same signature call the
+compiled kernel directly (the grid is evaluated anew each time: it may depend on more than the
+arguments).
+
+The signature is everything Triton specializes a compiled kernel on, and more: each tensor's
+dtype and 16-byte alignment, each integer by value, each TMA descriptor's dtype, alignment, shape,
+strides and box, and the constexprs. Launches take Triton's path under the interpreter, while
+Triton launch hooks are set (a profiler's, which the direct call would skip) and with
+MOEBLAZE_DIRECT_LAUNCH=0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from triton.runtime.autotuner import Autotuner
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .numerics import interpreting
+
+# Signatures past this count start a fresh cache (shapes that change every step, as token counts
+# under expert parallelism can, would otherwise grow it without bound).
+MAX_ENTRIES = 4096
+
+_entries: dict = {}
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (``triton.cdiv`` is a constexpr function: microseconds a call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), on the host."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _arg_key(arg):
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, TensorDescriptor):
+        return (arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.shape), tuple(arg.strides),
+                tuple(arg.block_shape), arg.padding)
+    return type(arg), arg
+
+
+def direct_launches() -> bool:
+    """MOEBLAZE_DIRECT_LAUNCH=0 sends every launch through Triton's own launch path (the same
+    kernels and results, ~50-100 us more host time per launch)."""
+    value = os.environ.get("MOEBLAZE_DIRECT_LAUNCH", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"MOEBLAZE_DIRECT_LAUNCH must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _hooks_set() -> bool:
+    runtime = triton.knobs.runtime
+    return any(hook is not None and bool(getattr(hook, "calls", True))
+               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+class _Entry:
+    """One argument signature's compiled kernel, launched without Triton's binding and lookups."""
+
+    __slots__ = ("function", "kwargs", "metadata", "names", "pre_hook", "run", "tail")
+
+    def __init__(self, kernel, compiled, num_args, constexprs):
+        config = kernel.best_config if isinstance(kernel, Autotuner) else None
+        fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+        self.kwargs = {**constexprs, **(config.all_kwargs() if config is not None else {})}
+        self.names = fn.arg_names
+        # The compiled launcher takes every parameter in order, constexprs included.
+        params = fn.signature.parameters
+        self.tail = tuple(self.kwargs[name] if name in self.kwargs else params[name].default
+                          for name in self.names[num_args:])
+        self.pre_hook = config.pre_hook if config is not None else None
+        self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
+
+    def __call__(self, grid, args, device):
+        if self.pre_hook is not None:
+            self.pre_hook({**dict(zip(self.names, args)), **self.kwargs})
+        # The grid is evaluated every time: it may depend on more than the signature holds. A
+        # callable one sees the constexprs and the config's values (not the arguments).
+        grid = grid(self.kwargs) if callable(grid) else grid
+        grid = (*grid, 1, 1)
+        # What Triton's launch takes the stream from (torch.cuda.current_stream() costs ~5 us more).
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        self.run(grid[0], grid[1], grid[2], stream, self.function, self.metadata, None, None, None, *args, *self.tail)
+
+
+def launch(kernel, grid, args, constexprs):
+    """``kernel[grid](*args, **constexprs)`` for a ``triton.jit`` kernel or a ``triton.autotune``
+    of one; ``args`` are the leading parameters, positional; ``constexprs`` by name; ``grid`` a
+    tuple or a function of the constexprs and the config's values (``meta["BLOCK_M"]``)."""
+    if interpreting() or not direct_launches() or _hooks_set():
+        kernel[grid](*args, **constexprs)
+        return
+    device = torch.cuda.current_device()
+    key = (kernel, device, tuple(map(_arg_key, args)), tuple(constexprs.items()))
+    entry = _entries.get(key)
+    if entry is not None:
+        entry(grid, args, device)
+        return
+    compiled = kernel[grid](*args, **constexprs)
+    if len(_entries) >= MAX_ENTRIES:
+        _entries.clear()
+    _entries[key] = _Entry(kernel, compiled, len(args), constexprs)
