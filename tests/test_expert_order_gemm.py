@@ -128,6 +128,8 @@ def test_grouped_weight_grads_apply_to_wide_bfloat16_experts_on_hopper_only(monk
     assert eg.grouped_weight_grads_apply(x, 64)
     assert eg.grouped_weight_grads_apply(x, 16)
     assert not eg.grouped_weight_grads_apply(x, 8)  # fine-grained experts stay on the kernel
+    assert not eg.grouped_weight_grads_apply(x, 36)  # rows of 72 bytes: not what grouped_mm takes
+    assert not eg.grouped_weight_grads_apply(torch.randn(4, 12).bfloat16(), 64)
     assert not eg.grouped_weight_grads_apply(x.half(), 64)
     assert not eg.grouped_weight_grads_apply(x.float(), 64)
     monkeypatch.setattr(eg, "_capability", lambda index: (8, 0))

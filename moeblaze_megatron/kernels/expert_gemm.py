@@ -526,8 +526,11 @@ def row_gemm_ds_tiles(n: int) -> int:
 # (qwen3-like 2.93 -> 2.95 / 1.63 -> 1.81, 7B-like 0.59 -> 0.80 / 0.29 -> 0.57).
 def grouped_weight_grads_apply(x, ffn: int) -> bool:
     """Whether the weight gradients run as ``gathered_weight_grad``: bfloat16 on a GPU of compute
-    capability 9.0 or newer, experts at least as wide as x (``ffn >= hidden``)."""
-    return (ffn >= x.shape[1] and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    capability 9.0 or newer, experts at least as wide as x (``ffn >= hidden``), rows of both widths
+    16 bytes apart (the strides torch._grouped_mm takes; the kernel runs any width)."""
+    hidden = x.shape[1]
+    return (ffn >= hidden and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and (hidden * x.element_size()) % 16 == 0 and (ffn * x.element_size()) % 16 == 0
             and _capability(x.device.index) >= (9, 0))
 
 
