@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 import triton
@@ -41,7 +42,7 @@ ROW_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
     (128, 128, 64, 4, 8, 4), (128, 128, 64, 16, 8, 4), (128, 128, 64, 8, 4, 4),
     (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3),
     (128, 64, 64, 8, 4, 4), (128, 64, 64, 8, 8, 4), (64, 128, 64, 8, 4, 4),
-    (128, 128, 128, 8, 8, 3),
+    (128, 128, 128, 8, 8, 3), (128, 256, 32, 8, 8, 4), (128, 256, 64, 16, 8, 3),
 ]
 WGRAD_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
     (128, 128, 64, 8, 4), (128, 128, 64, 8, 5), (128, 128, 64, 8, 6),
@@ -108,7 +109,8 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
     expert_out = x.new_empty(rows, d)
     probs_sorted = plan.permute_probs(probs)
     h_scaled = x.new_empty(rows, h)
-    ds = torch.zeros(rows, eg.row_gemm_ds_tiles(h), dtype=torch.float32, device=dev)
+    # Wide enough for the narrowest candidate tile (the layer's is row_gemm_ds_tiles(h)).
+    ds = torch.zeros(rows, triton.cdiv(h, min(c[1] for c in ROW_CONFIGS)), dtype=torch.float32, device=dev)
     dpre = pre.clone()
     eg.row_gemm(dy, fc2, h_scaled, plan, transpose_weight=False, epilogue=eg.EPI_ACT_BWD,
                 activation=activation, gather_a=True, pre=dpre, probs_sorted=probs_sorted, ds_partial=ds, n=h)
@@ -276,13 +278,18 @@ def main(argv=None):
             if kind == "torch":
                 picked = "torch"
             else:
+                # Once more through Triton's launch path: the autotuner's best_config then names this
+                # launch's config (a direct launch leaves it at whichever ran through Triton last).
+                reset()
+                with mock.patch.dict(os.environ, MOEBLAZE_DIRECT_LAUNCH="0"):
+                    launch(None)
                 picked = eg.config_label((eg._weight_grad_kernel if kind == "wgrad" else eg._row_gemm_kernel).best_config)
             if kind == "torch":
                 candidates = []
             elif kind == "wgrad":
                 candidates = [wgrad_config(*c) for c in WGRAD_CONFIGS]
-            else:  # the SwiGLU forward and every activation backward run at most 128 columns
-                candidates = [row_config(*c) for c in ROW_CONFIGS if kind == "row" or c[1] <= 128]
+            else:  # the SwiGLU forward runs at most 128 columns (256 of weight)
+                candidates = [row_config(*c) for c in ROW_CONFIGS if kind != "row_glu" or c[1] <= 128]
             candidates = [c for c in candidates if any(f in eg.config_label(c) for f in args.configs.split(","))]
             # The autotuned launch itself, timed like the candidates, for comparison.
             for cfg in [None] + candidates:

@@ -19,13 +19,16 @@ def _prune(configs, epilogue, activation):
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "silu", "gelu"])
-def test_activation_backward_runs_one_tile_width(gpu_lists, activation):
-    # The router gradient's partial sums follow the column tiles: one width for every config the
-    # autotuner may pick keeps it bitwise the same run to run.
+@pytest.mark.parametrize("autotune", ["1", "0"])
+def test_activation_backward_runs_one_config(gpu_lists, monkeypatch, activation, autotune):
+    # The router gradient's partial sums follow the column tiles: one config, so one tile width,
+    # keeps it bitwise the same run to run, whatever the autotuner's timings.
+    monkeypatch.setenv("MOEBLAZE_AUTOTUNE", autotune)
     configs = eg._row_gemm_configs()
-    kept = _prune(configs, eg.EPI_ACT_BWD, activation)
-    assert kept and {c.kwargs["BLOCK_N"] for c in kept} == {eg.ACT_BWD_BLOCK_N}
-    assert len(kept) >= 2  # still something to tune (stages)
+    (kept,) = _prune(configs, eg.EPI_ACT_BWD, activation)
+    assert kept.kwargs["BLOCK_N"] == eg.ACT_BWD_BLOCK_N == 256
+    if autotune == "1":
+        assert eg.config_label(kept) == "128x256x64/g8/w8/s4"  # the measured best (ACT_BWD_BLOCK_N)
 
 
 def test_swiglu_forward_stays_within_128_columns(gpu_lists):
@@ -37,15 +40,19 @@ def test_swiglu_forward_stays_within_128_columns(gpu_lists):
     assert max(c.kwargs["BLOCK_N"] for c in configs) > 128  # the plain GEMMs keep their wide tiles
 
 
-def test_no_autotune_gives_one_config_every_epilogue_accepts(gpu_lists, monkeypatch):
+def test_no_autotune_gives_one_config_per_epilogue(gpu_lists, monkeypatch):
     monkeypatch.setenv("MOEBLAZE_AUTOTUNE", "0")
-    (row,) = eg._row_gemm_configs()
+    configs = eg._row_gemm_configs()
     (wgrad,) = eg._weight_grad_configs()
+    picked = {}
     for epilogue in (eg.EPI_STORE, eg.EPI_ACT_FWD, eg.EPI_ACT_BWD):
-        assert _prune([row], epilogue, "swiglu") == [row]
-    # The same tile width as the tuned activation backward: the same router-gradient bits.
-    assert row.kwargs["BLOCK_N"] == eg.ACT_BWD_BLOCK_N
-    assert wgrad.kwargs["BLOCK_K"] == row.kwargs["BLOCK_K"] == 32  # fits shared memory in float32
+        for activation in ("swiglu", "silu"):
+            (picked[epilogue, activation],) = _prune(configs, epilogue, activation)
+    # 256 columns but for the SwiGLU forward (both halves of a 128-wide tile).
+    assert picked[eg.EPI_ACT_FWD, "swiglu"].kwargs["BLOCK_N"] == 128
+    assert {c.kwargs["BLOCK_N"] for k, c in picked.items() if k != (eg.EPI_ACT_FWD, "swiglu")} == {256}
+    assert all(c.kwargs["BLOCK_K"] == 32 for c in picked.values())  # fits shared memory in float32
+    assert wgrad.kwargs["BLOCK_K"] == 32
 
 
 @pytest.mark.parametrize("gather_a,gather_b", [(True, False), (False, True), (False, False)])
@@ -86,10 +93,10 @@ def test_config_labels_and_the_autotuners_picks(monkeypatch):
 
 
 def test_ds_width_follows_the_activation_backward_tiles(gpu_lists, monkeypatch):
-    # The router-gradient partials are one column per tile the activation backward can run (128
+    # The router-gradient partials are one column per tile the activation backward runs (256
     # wide), not per tile of the narrowest config in the list (64): no zero columns to fill and sum.
     configs = eg._row_gemm_configs()
     assert min(c.kwargs["BLOCK_N"] for c in configs) < eg.ACT_BWD_BLOCK_N
     monkeypatch.setattr(eg._row_gemm_kernel, "configs", configs)
-    assert eg.row_gemm_ds_tiles(768) == 768 // eg.ACT_BWD_BLOCK_N
-    assert eg.row_gemm_ds_tiles(200) == 2
+    assert eg.row_gemm_ds_tiles(768) == 768 // eg.ACT_BWD_BLOCK_N == 3
+    assert eg.row_gemm_ds_tiles(200) == 1

@@ -36,10 +36,10 @@ def test_grouped_mm_applies_to_bfloat16_on_hopper_only(monkeypatch):
     assert eg.grouped_mm_applies(a, w, transpose_weight=False)
     assert not eg.grouped_mm_applies(a.float(), w.float(), transpose_weight=True)
     assert not eg.grouped_mm_applies(a.half(), w.half(), transpose_weight=True)
-    k = eg.GROUPED_MM_MAX_K_UNTRANSPOSED
-    assert eg.grouped_mm_applies(torch.empty(4, k).bfloat16(), w, transpose_weight=False)
-    assert not eg.grouped_mm_applies(torch.empty(4, k + 8).bfloat16(), w, transpose_weight=False)
-    assert eg.grouped_mm_applies(torch.empty(4, 4 * k).bfloat16(), w, transpose_weight=True)
+    for transpose_weight, k in ((False, eg.GROUPED_MM_MAX_K_UNTRANSPOSED), (True, eg.GROUPED_MM_MAX_K_TRANSPOSED)):
+        assert eg.grouped_mm_applies(torch.empty(4, k).bfloat16(), w, transpose_weight=transpose_weight)
+        assert not eg.grouped_mm_applies(torch.empty(4, k + 8).bfloat16(), w, transpose_weight=transpose_weight)
+    assert eg.GROUPED_MM_MAX_K_UNTRANSPOSED < eg.GROUPED_MM_MAX_K_TRANSPOSED
     # A weight whose rows are not 16 bytes apart stays on the kernel.
     assert not eg.grouped_mm_applies(a, torch.randn(2, 8, 12).bfloat16()[:, :, :4], transpose_weight=True)
     monkeypatch.setattr(eg, "_capability", lambda index: (8, 0))

@@ -109,12 +109,17 @@ def _row_gemm_tiles():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4)]
     if not autotuning():
-        # BLOCK_K 32: four stages fit shared memory in float32 too.
-        return [triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4)]
+        # BLOCK_K 32: four stages fit shared memory in float32 too. The first serves every
+        # epilogue but the SwiGLU forward, which takes the second (see _prune_row_gemm).
+        return [
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": n, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4)
+            for n in (ACT_BWD_BLOCK_N, 128)
+        ]
     # From scripts/tune_kernels.py on the H200 (2026-11-29, benchmarks/results/2026-11-29-h200-v2):
     # 128x256 tiles won every plain GEMM (fc2, dX: 650-690 TFLOP/s on conf4 and qwen3), 128x128
-    # the epilogues capped at 128 columns; 4-warp and 64-row tiles never won on those shapes, one
-    # is kept for experts with few rows.
+    # the SwiGLU forward (capped at 128 columns); 4-warp and 64-row tiles never won on those
+    # shapes, one is kept for experts with few rows. The first 256-wide one is the activation
+    # backward's only config (see ACT_BWD_BLOCK_N).
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
         for bm, bn, bk, w, s in (
@@ -129,10 +134,13 @@ def _row_gemm_tiles():
 
 
 # The activation backward writes one router-gradient partial per column tile, summed afterwards:
-# its rounding depends on the tile width. One width for every config it may run keeps the router
-# gradient bitwise the same whichever config the autotuner picks, run to run (H200: identical
-# across tile heights, BLOCK_K, warps and stages at width 128; 64 cost 7B-like 0.016 ms less).
-ACT_BWD_BLOCK_N = 128
+# its rounding depends on the tile width, so it runs one config (the router gradient is then
+# bitwise the same run to run, whatever the autotuner's noise). 128x256x64 with four stages, its
+# epilogue in 64-column chunks, was the fastest of the 128x128 and 128x256 configs on every shape
+# measured (scripts/tune_kernels.py, H200, benchmarks/results/2026-11-29-h200-v8): conf4 12.23 ->
+# 10.61 ms, conf5 2.29 -> 2.07, qwen3-like 2.22 -> 2.09, 7B-like 0.549 -> 0.532 against the
+# 128x128 tiles it ran before (a 256-wide accumulator halves the weight tiles read per output).
+ACT_BWD_BLOCK_N = 256
 
 
 def _prune_row_gemm(configs, named_args, **kwargs):
@@ -140,11 +148,13 @@ def _prune_row_gemm(configs, named_args, **kwargs):
     # (Triton passes the constexprs in kwargs, the other arguments in named_args.)
     args = {**named_args, **kwargs}
     if args["EPILOGUE"] == EPI_ACT_BWD:
-        keep = [c for c in configs if c.kwargs["BLOCK_N"] == ACT_BWD_BLOCK_N]
+        keep = [c for c in configs if c.kwargs["BLOCK_N"] == ACT_BWD_BLOCK_N][:1]
     elif args["ACT"] == ACT_SWIGLU and args["EPILOGUE"] == EPI_ACT_FWD:
         keep = [c for c in configs if c.kwargs["BLOCK_N"] <= 128]
     else:
         keep = configs
+    if not autotuning():
+        keep = keep[:1]
     return keep or configs[-1:]
 
 
@@ -240,7 +250,7 @@ def _row_gemm_kernel(
         elif EPILOGUE == 1:
             # Round to the storage dtype first: backward recomputes from the stored values.
             if GLU:
-                acc_gate, acc_up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+                acc_gate, acc_up = _column_halves(acc, BLOCK_M, 2 * BLOCK_N)
                 gate = to_storage(acc_gate, out_dtype, MEND_BF16)
                 up = to_storage(acc_up, out_dtype, MEND_BF16)
                 if STORE_PRE:
@@ -254,24 +264,49 @@ def _row_gemm_kernel(
                 h = _act(gate.to(tl.float32), ACT)
             tl.store(c_ptrs, to_storage(h, out_dtype, MEND_BF16), mask=mask)
         else:
-            # The epilogue runs on two column halves one after the other: the whole tile's saved
-            # pre-activations and their products at once would spill next to the accumulator.
+            # dH is rounded to the storage dtype first (as a stored dH would be), which halves the
+            # registers it holds, and the epilogue runs on chunks of at most 64 columns one after
+            # the other: a whole 256-wide tile's saved pre-activations at once would spill.
             p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-            acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            half = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-            ds = _act_bwd_cols(acc_lo, p, r64, row_ok, half, N, c_ptr, pre_ptr, stride_cm, stride_pm,
-                               ACT, GLU, MEND_BF16)
-            ds += _act_bwd_cols(acc_hi, p, r64, row_ok, half + BLOCK_N // 2, N, c_ptr, pre_ptr, stride_cm,
-                                stride_pm, ACT, GLU, MEND_BF16)
+            lo, hi = _column_halves(to_storage(acc, out_dtype, MEND_BF16), BLOCK_M, BLOCK_N)
+            HALF: tl.constexpr = BLOCK_N // 2
+            col0 = pid_n * BLOCK_N
+            ds = _act_bwd_half(lo, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm,
+                               ACT, GLU, MEND_BF16, BLOCK_M, HALF)
+            ds += _act_bwd_half(hi, p, r64, row_ok, col0 + HALF, N, c_ptr, pre_ptr, stride_cm, stride_pm,
+                                ACT, GLU, MEND_BF16, BLOCK_M, HALF)
             tl.store(ds_ptr + r64 * stride_dsm + pid_n, ds, mask=row_ok)
 
 
 @triton.jit
-def _act_bwd_cols(acc, p, r64, row_ok, cols, N, c_ptr, pre_ptr, stride_cm, stride_pm,
+def _column_halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, COLS // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _act_bwd_half(dh, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm,
+                  ACT: tl.constexpr, GLU: tl.constexpr, MEND_BF16: tl.constexpr,
+                  ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``_act_bwd_cols`` on COLS columns of dH, in two chunks where they are more than 64."""
+    if COLS > 64:
+        lo, hi = _column_halves(dh, ROWS, COLS)
+        ds = _act_bwd_cols(lo, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU, MEND_BF16)
+        ds += _act_bwd_cols(hi, p, r64, row_ok, col0 + COLS // 2, N, c_ptr, pre_ptr, stride_cm, stride_pm,
+                            ACT, GLU, MEND_BF16)
+    else:
+        ds = _act_bwd_cols(dh, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU, MEND_BF16)
+    return ds
+
+
+@triton.jit
+def _act_bwd_cols(acc, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm,
                   ACT: tl.constexpr, GLU: tl.constexpr, MEND_BF16: tl.constexpr):
-    """The activation backward on some columns of dH = acc (unscaled): d pre over pre (for SwiGLU
-    d gate, and d up N columns further), p * act(pre) into c; returns the rows' partial <dH, h>."""
+    """The activation backward on the columns from col0 of dH = acc (unscaled): d pre over pre (for
+    SwiGLU d gate, and d up N columns further), p * act(pre) into c; returns the rows' partial
+    <dH, h>."""
     out_dtype = c_ptr.dtype.element_ty
+    acc = acc.to(tl.float32)
+    cols = col0 + tl.arange(0, acc.shape[1])
     mask = row_ok[:, None] & (cols < N)[None, :]
     pre_ptrs = pre_ptr + r64[:, None] * stride_pm + cols[None, :]
     g = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -479,22 +514,25 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
     _launch(_row_gemm_kernel, grid, args, constexprs, config)
 
 
-# torch._grouped_mm against the row-GEMM kernel on the H200 (scripts/tune_kernels.py,
-# benchmarks/results/2026-11-29-h200-v5): with the weight read transposed (fc2) it won at every
-# reduction length measured (qwen3-like 1.33 vs 1.83 ms, 7B-like 0.40 vs 0.53, conf4 6.73 vs 7.92
-# at K = 8192); in the weight's own layout (dX) at K = 512 and 1536 (7B-like 0.59 vs 0.67,
-# qwen3-like 2.38 vs 2.52) but not at K = 16384 (conf4 16.0 vs 13.2 ms). Untested between, so
-# the kernel keeps dX past this K.
+# torch._grouped_mm against the row-GEMM kernel (weight through TMA) on the H200
+# (scripts/tune_kernels.py, benchmarks/results/2026-11-29-h200-v8; ms): with the weight read
+# transposed (fc2) it won at short reductions (7B-like K = 256: 0.393 vs 0.476, qwen3-like
+# K = 768: 1.483 vs 1.615; conf7 K = 2048: 0.905 vs 0.925), tied at K = 4096 (conf3 0.850 vs
+# 0.848, conf5 0.804 vs 0.809) and lost at K = 8192 (conf4 6.90 vs 6.30); in the weight's own
+# layout (dX) it won at K = 512 and 1536 (7B-like 0.59 vs 0.67, qwen3-like 2.38 vs 2.52, v5)
+# and lost from K = 4096 on (conf7 1.539 vs 1.509, conf5 1.557 vs 1.516, conf3 1.803 vs 1.623,
+# conf6 at K = 16384 6.79 vs 6.61).
 GROUPED_MM_MAX_K_UNTRANSPOSED = 2048
+GROUPED_MM_MAX_K_TRANSPOSED = 4096
 
 
 def grouped_mm_applies(a, weight, *, transpose_weight) -> bool:
     """Whether ``expert_order_gemm`` runs through ``torch._grouped_mm`` (cuBLAS / CUTLASS grouped
     GEMM): bfloat16 on a GPU of compute capability 9.0 or newer, operands with the 16-byte aligned
     strides it needs, where it was measured faster."""
+    max_k = GROUPED_MM_MAX_K_TRANSPOSED if transpose_weight else GROUPED_MM_MAX_K_UNTRANSPOSED
     return (a.is_cuda and a.dtype == weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and _tma_takes(a) and _tma_takes(weight)
-            and (transpose_weight or a.shape[1] <= GROUPED_MM_MAX_K_UNTRANSPOSED))
+            and _tma_takes(a) and _tma_takes(weight) and a.shape[1] <= max_k)
 
 
 def expert_order_gemm(a, weight, plan, *, transpose_weight, n):
