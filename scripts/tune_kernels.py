@@ -37,12 +37,16 @@ from bench_layer import ALIASES, CONFIGS  # noqa: E402  (one table of layer shap
 from moeblaze_megatron import build_routing_plan  # noqa: E402
 from moeblaze_megatron.kernels import expert_gemm as eg  # noqa: E402
 
-ROW_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
+ROW_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, other constexprs]
     (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 5),
     (128, 128, 64, 4, 8, 4), (128, 128, 64, 16, 8, 4), (128, 128, 64, 8, 4, 4),
     (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3),
     (128, 64, 64, 8, 4, 4), (128, 64, 64, 8, 8, 4), (64, 128, 64, 8, 4, 4),
     (128, 128, 128, 8, 8, 3), (128, 256, 32, 8, 8, 4), (128, 256, 64, 16, 8, 3),
+    (128, 256, 64, 8, 8, 4, {"PERSISTENT": True}), (128, 256, 64, 8, 8, 3, {"PERSISTENT": True}),
+    (128, 128, 64, 8, 8, 4, {"PERSISTENT": True}), (128, 128, 64, 8, 8, 3, {"PERSISTENT": True}),
+    (128, 256, 32, 8, 8, 4, {"PERSISTENT": True}), (128, 128, 32, 8, 8, 4, {"PERSISTENT": True}),
+    (128, 128, 64, 8, 4, 3),
 ]
 WGRAD_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
     (128, 128, 64, 8, 4), (128, 128, 64, 8, 5), (128, 128, 64, 8, 6),
@@ -52,8 +56,9 @@ WGRAD_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
 ]
 
 
-def row_config(bm, bn, bk, gm, w, s):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm}, num_warps=w, num_stages=s)
+def row_config(bm, bn, bk, gm, w, s, extra=None):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, **(extra or {})},
+                         num_warps=w, num_stages=s)
 
 
 def wgrad_config(bm, bn, bk, w, s):

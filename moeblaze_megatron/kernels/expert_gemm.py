@@ -66,6 +66,15 @@ def _act_grad(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _row_tiles(offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """The number of row tiles over all experts' rows."""
+    e_idx = tl.arange(0, E_POW2)
+    lo = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
+    hi = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+    return tl.sum((hi - lo + BLOCK_M - 1) // BLOCK_M, axis=0)
+
+
+@triton.jit
 def _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
     """Row tile ``pid_m`` -> (expert, first row, end of the expert's rows, tile exists)."""
     e_idx = tl.arange(0, E_POW2)
@@ -115,20 +124,27 @@ def _row_gemm_tiles():
             triton.Config({"BLOCK_M": 128, "BLOCK_N": n, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4)
             for n in (ACT_BWD_BLOCK_N, 128)
         ]
-    # From scripts/tune_kernels.py on the H200 (2026-11-29, benchmarks/results/2026-11-29-h200-v2):
-    # 128x256 tiles won every plain GEMM (fc2, dX: 650-690 TFLOP/s on conf4 and qwen3), 128x128
-    # the SwiGLU forward (capped at 128 columns); 4-warp and 64-row tiles never won on those
-    # shapes, one is kept for experts with few rows. The first 256-wide one is the activation
-    # backward's only config (see ACT_BWD_BLOCK_N).
+    # From scripts/tune_kernels.py on the H200 (benchmarks/results/2026-11-29-h200-v2 and -v9):
+    # 128x256 tiles won every plain GEMM (fc2, dX), 128x128 the SwiGLU forward (capped at 128
+    # columns); 4-warp and 64-row tiles never won on those shapes, one is kept for experts with
+    # few rows. Persistent programs (one per multiprocessor, looping over tiles: the next tile's
+    # loads start during this one's epilogue) ran the plain GEMMs up to 16% faster (v9: 7B-like
+    # fc2 0.478 -> 0.403 ms, qwen3-like 1.435 -> 1.352, conf6 dX 6.05 -> 5.75, conf4 dX even) and
+    # fc1 0-3% faster; the activation backward 15-40% slower (its epilogue spills inside the tile
+    # loop). The first config is the activation backward's only one (see ACT_BWD_BLOCK_N).
     return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s in (
-            (128, 256, 64, 8, 4),
-            (128, 256, 64, 8, 3),
-            (128, 128, 64, 8, 4),
-            (128, 128, 64, 8, 3),
-            (128, 64, 64, 8, 4),
-            (64, 128, 64, 4, 4),
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "PERSISTENT": persistent},
+                      num_warps=w, num_stages=s)
+        for bm, bn, w, s, persistent in (
+            (128, 256, 8, 4, False),
+            (128, 256, 8, 4, True),
+            (128, 256, 8, 3, True),
+            (128, 128, 8, 4, True),
+            (128, 128, 8, 3, True),
+            (128, 128, 8, 4, False),
+            (128, 128, 8, 3, False),
+            (128, 64, 8, 4, False),
+            (64, 128, 4, 4, False),
         )
     ]
 
@@ -136,10 +152,12 @@ def _row_gemm_tiles():
 # The activation backward writes one router-gradient partial per column tile, summed afterwards:
 # its rounding depends on the tile width, so it runs one config (the router gradient is then
 # bitwise the same run to run, whatever the autotuner's noise). 128x256x64 with four stages, its
-# epilogue in 64-column chunks, was the fastest of the 128x128 and 128x256 configs on every shape
+# epilogue in four column chunks, was the fastest of the 128x128 and 128x256 configs on every shape
 # measured (scripts/tune_kernels.py, H200, benchmarks/results/2026-11-29-h200-v8): conf4 12.23 ->
 # 10.61 ms, conf5 2.29 -> 2.07, qwen3-like 2.22 -> 2.09, 7B-like 0.549 -> 0.532 against the
 # 128x128 tiles it ran before (a 256-wide accumulator halves the weight tiles read per output).
+# Two programs per multiprocessor (128x128, 4 warps, 32- or 16-column chunks) and a persistent
+# loop were slower (v9: conf4 13.0 and 12.4 ms against 10.8).
 ACT_BWD_BLOCK_N = 256
 
 
@@ -148,7 +166,7 @@ def _prune_row_gemm(configs, named_args, **kwargs):
     # (Triton passes the constexprs in kwargs, the other arguments in named_args.)
     args = {**named_args, **kwargs}
     if args["EPILOGUE"] == EPI_ACT_BWD:
-        keep = [c for c in configs if c.kwargs["BLOCK_N"] == ACT_BWD_BLOCK_N][:1]
+        keep = [c for c in configs if c.kwargs["BLOCK_N"] == ACT_BWD_BLOCK_N and not c.kwargs.get("PERSISTENT")][:1]
     elif args["ACT"] == ACT_SWIGLU and args["EPILOGUE"] == EPI_ACT_FWD:
         keep = [c for c in configs if c.kwargs["BLOCK_N"] <= 128]
     else:
@@ -176,7 +194,7 @@ def _row_gemm_kernel(
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATHER_A: tl.constexpr, STORE_PRE: tl.constexpr,
     MEND_BF16: tl.constexpr, PRECISION: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA_B: tl.constexpr = False, TRANS_B: tl.constexpr = False,
+    TMA_B: tl.constexpr = False, TRANS_B: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
 ):
     """C = A[src] @ B[e] per expert row tile, then the epilogue.
 
@@ -189,10 +207,35 @@ def _row_gemm_kernel(
     TMA_B: B is a TMA descriptor over the weight, [E, N, K] (TRANS_B), [E, 2, N, K] (the SwiGLU
     forward's gate and up halves) or [E, K, N]; the hardware zero-fills past N and K.
     """
-    GLU: tl.constexpr = ACT == 0 and EPILOGUE != 0
-    pid = tl.program_id(0)
-    m_tiles = tl.cdiv(rows_total, BLOCK_M) + E
     n_tiles = tl.cdiv(N, BLOCK_N)
+    # (One call per branch: a one-trip loop around the per-tile launch's call compiles to other
+    # code, with up to 50 more registers.)
+    if PERSISTENT:
+        m_tiles = _row_tiles(offsets_ptr, E, BLOCK_M, E_POW2)
+        for pid in tl.range(tl.program_id(0), m_tiles * n_tiles, tl.num_programs(0), flatten=True):
+            _row_gemm_tile(pid, m_tiles, n_tiles, a_ptr, b_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr,
+                           offsets_ptr, N, K, E, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                           stride_cm, stride_pm, stride_dsm, EPILOGUE, ACT, GATHER_A, STORE_PRE, MEND_BF16,
+                           PRECISION, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_B, TRANS_B, PERSISTENT)
+    else:
+        _row_gemm_tile(tl.program_id(0), tl.cdiv(rows_total, BLOCK_M) + E, n_tiles, a_ptr, b_ptr, c_ptr, pre_ptr,
+                       probs_ptr, ds_ptr, token_idx_ptr, offsets_ptr, N, K, E, stride_am, stride_ak,
+                       stride_be, stride_bk, stride_bn, stride_cm, stride_pm, stride_dsm, EPILOGUE, ACT, GATHER_A,
+                       STORE_PRE, MEND_BF16, PRECISION, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_B, TRANS_B,
+                       PERSISTENT)
+
+
+@triton.jit
+def _row_gemm_tile(
+    pid, m_tiles, n_tiles, a_ptr, b_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, offsets_ptr,
+    N, K, E, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_pm, stride_dsm,
+    EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATHER_A: tl.constexpr, STORE_PRE: tl.constexpr,
+    MEND_BF16: tl.constexpr, PRECISION: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TMA_B: tl.constexpr, TRANS_B: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    """Output tile ``pid`` of ``m_tiles`` x ``n_tiles`` (row tiles grouped by GROUP_M)."""
+    GLU: tl.constexpr = ACT == 0 and EPILOGUE != 0
     in_group = GROUP_M * n_tiles
     first_m = (pid // in_group) * GROUP_M
     group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
@@ -200,7 +243,9 @@ def _row_gemm_kernel(
     pid_n = (pid % in_group) // group_rows
 
     e, row0, row_end, exists = _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M, E_POW2)
-    if exists:
+    # A persistent kernel visits existing tiles only; an if around the main loop would keep the
+    # compiler from pipelining across tiles.
+    if PERSISTENT or exists:
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < row_end
         if GATHER_A:
@@ -265,16 +310,12 @@ def _row_gemm_kernel(
             tl.store(c_ptrs, to_storage(h, out_dtype, MEND_BF16), mask=mask)
         else:
             # dH is rounded to the storage dtype first (as a stored dH would be), which halves the
-            # registers it holds, and the epilogue runs on chunks of at most 64 columns one after
-            # the other: a whole 256-wide tile's saved pre-activations at once would spill.
+            # registers it holds; the epilogue then runs on four column chunks one after the other
+            # (a whole 256-wide tile's saved pre-activations at once would spill), each chunk's
+            # loads issued before the previous chunk's stores.
             p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-            lo, hi = _column_halves(to_storage(acc, out_dtype, MEND_BF16), BLOCK_M, BLOCK_N)
-            HALF: tl.constexpr = BLOCK_N // 2
-            col0 = pid_n * BLOCK_N
-            ds = _act_bwd_half(lo, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm,
-                               ACT, GLU, MEND_BF16, BLOCK_M, HALF)
-            ds += _act_bwd_half(hi, p, r64, row_ok, col0 + HALF, N, c_ptr, pre_ptr, stride_cm, stride_pm,
-                                ACT, GLU, MEND_BF16, BLOCK_M, HALF)
+            ds = _act_bwd_epilogue(to_storage(acc, out_dtype, MEND_BF16), p, r64, row_ok, pid_n * BLOCK_N, N,
+                                   c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU, MEND_BF16, BLOCK_M, BLOCK_N)
             tl.store(ds_ptr + r64 * stride_dsm + pid_n, ds, mask=row_ok)
 
 
@@ -284,35 +325,34 @@ def _column_halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _act_bwd_half(dh, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm,
-                  ACT: tl.constexpr, GLU: tl.constexpr, MEND_BF16: tl.constexpr,
-                  ROWS: tl.constexpr, COLS: tl.constexpr):
-    """``_act_bwd_cols`` on COLS columns of dH, in two chunks where they are more than 64."""
-    if COLS > 64:
-        lo, hi = _column_halves(dh, ROWS, COLS)
-        ds = _act_bwd_cols(lo, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU, MEND_BF16)
-        ds += _act_bwd_cols(hi, p, r64, row_ok, col0 + COLS // 2, N, c_ptr, pre_ptr, stride_cm, stride_pm,
-                            ACT, GLU, MEND_BF16)
+def _load_pre(r64, row_ok, col0, N, pre_ptr, stride_pm, COLS: tl.constexpr, GLU: tl.constexpr):
+    """The saved pre-activations of COLS columns from col0: (gate, up) for SwiGLU, else (pre, pre)."""
+    cols = col0 + tl.arange(0, COLS)
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    pre_ptrs = pre_ptr + r64[:, None] * stride_pm + cols[None, :]
+    g = tl.load(pre_ptrs, mask=mask, other=0.0)
+    if GLU:
+        up = tl.load(pre_ptrs + N, mask=mask, other=0.0)
     else:
-        ds = _act_bwd_cols(dh, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU, MEND_BF16)
-    return ds
+        up = g
+    return g, up
 
 
 @triton.jit
-def _act_bwd_cols(acc, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm,
-                  ACT: tl.constexpr, GLU: tl.constexpr, MEND_BF16: tl.constexpr):
-    """The activation backward on the columns from col0 of dH = acc (unscaled): d pre over pre (for
-    SwiGLU d gate, and d up N columns further), p * act(pre) into c; returns the rows' partial
-    <dH, h>."""
+def _act_bwd_chunk(acc, g, up, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm,
+                   ACT: tl.constexpr, GLU: tl.constexpr, MEND_BF16: tl.constexpr):
+    """The activation backward on the columns from col0 of dH = acc (unscaled), given their saved
+    pre-activations: d pre over pre (for SwiGLU d gate, and d up N columns further), p * act(pre)
+    into c; returns the rows' partial <dH, h>."""
     out_dtype = c_ptr.dtype.element_ty
     acc = acc.to(tl.float32)
+    g = g.to(tl.float32)
     cols = col0 + tl.arange(0, acc.shape[1])
     mask = row_ok[:, None] & (cols < N)[None, :]
     pre_ptrs = pre_ptr + r64[:, None] * stride_pm + cols[None, :]
-    g = tl.load(pre_ptrs, mask=mask, other=0.0).to(tl.float32)
     dh = acc * p[:, None]
     if GLU:
-        up = tl.load(pre_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+        up = up.to(tl.float32)
         sig, silu = _silu_parts(g)
         h = silu * up
         tl.store(pre_ptrs + N, to_storage(dh * silu, out_dtype, MEND_BF16), mask=mask)
@@ -324,6 +364,34 @@ def _act_bwd_cols(acc, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, strid
     tl.store(c_ptr + r64[:, None] * stride_cm + cols[None, :], to_storage(h * p[:, None], out_dtype, MEND_BF16),
              mask=mask)
     return tl.sum(tl.where(mask, acc * h, 0.0), axis=1)
+
+
+@triton.jit
+def _act_bwd_epilogue(dh, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm,
+                      ACT: tl.constexpr, GLU: tl.constexpr, MEND_BF16: tl.constexpr,
+                      ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The activation backward on COLS columns of dH from col0, in four chunks. Returns the rows'
+    partial <dH, h>.
+
+    Each chunk's loads are issued before the previous chunk's stores: d pre is written over pre,
+    so the compiler may not move a load above a store, and a chunk's loads would otherwise wait
+    out a whole memory round trip after the previous chunk's stores."""
+    Q: tl.constexpr = COLS // 4
+    lo, hi = _column_halves(dh, ROWS, COLS)
+    c0, c1 = _column_halves(lo, ROWS, COLS // 2)
+    c2, c3 = _column_halves(hi, ROWS, COLS // 2)
+    g0, u0 = _load_pre(r64, row_ok, col0, N, pre_ptr, stride_pm, Q, GLU)
+    g1, u1 = _load_pre(r64, row_ok, col0 + Q, N, pre_ptr, stride_pm, Q, GLU)
+    ds = _act_bwd_chunk(c0, g0, u0, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU, MEND_BF16)
+    g2, u2 = _load_pre(r64, row_ok, col0 + 2 * Q, N, pre_ptr, stride_pm, Q, GLU)
+    ds += _act_bwd_chunk(c1, g1, u1, p, r64, row_ok, col0 + Q, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU,
+                         MEND_BF16)
+    g3, u3 = _load_pre(r64, row_ok, col0 + 3 * Q, N, pre_ptr, stride_pm, Q, GLU)
+    ds += _act_bwd_chunk(c2, g2, u2, p, r64, row_ok, col0 + 2 * Q, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU,
+                         MEND_BF16)
+    ds += _act_bwd_chunk(c3, g3, u3, p, r64, row_ok, col0 + 3 * Q, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU,
+                         MEND_BF16)
+    return ds
 
 
 def _set_tma_box(nargs):
@@ -425,10 +493,11 @@ def _weight_grad_kernel(
 
 
 def config_label(config) -> str:
-    """``BLOCK_MxBLOCK_NxBLOCK_K/gGROUP_M/wWARPS/sSTAGES`` of a tile config (``g-``: no grouping)."""
+    """``BLOCK_MxBLOCK_NxBLOCK_K/gGROUP_M/wWARPS/sSTAGES[/p]`` of a tile config (``g-``: no grouping,
+    ``/p``: persistent)."""
     kw = config.kwargs
     return (f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}/g{kw.get('GROUP_M', '-')}"
-            f"/w{config.num_warps}/s{config.num_stages}")
+            f"/w{config.num_warps}/s{config.num_stages}{'/p' if kw.get('PERSISTENT') else ''}")
 
 
 def autotune_picks() -> dict[str, str]:
@@ -450,6 +519,12 @@ def _launch(kernel, grid, args, constexprs, config):
 @functools.cache
 def _capability(index):
     return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def _sm_count(device) -> int:
+    """A persistent launch's programs: one per multiprocessor (the interpreter: 4)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _tma_takes(t) -> bool:
@@ -495,7 +570,12 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
     else:
         stride_bk, stride_bn = weight.stride(1), weight.stride(2)
     mend, precision = dot_flags(a.dtype)
-    grid = lambda meta: ((cdiv(rows_total, meta["BLOCK_M"]) + num_experts) * cdiv(n, meta["BLOCK_N"]),)
+    device = a.device
+
+    def grid(meta):
+        tiles = (cdiv(rows_total, meta["BLOCK_M"]) + num_experts) * cdiv(n, meta["BLOCK_N"])
+        return (min(tiles, _sm_count(device)),) if meta.get("PERSISTENT") else (tiles,)
+
     args = (
         a, b, out, pre if pre is not None else out,
         probs_sorted if probs_sorted is not None else out,
@@ -514,16 +594,16 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
     _launch(_row_gemm_kernel, grid, args, constexprs, config)
 
 
-# torch._grouped_mm against the row-GEMM kernel (weight through TMA) on the H200
-# (scripts/tune_kernels.py, benchmarks/results/2026-11-29-h200-v8; ms): with the weight read
-# transposed (fc2) it won at short reductions (7B-like K = 256: 0.393 vs 0.476, qwen3-like
-# K = 768: 1.483 vs 1.615; conf7 K = 2048: 0.905 vs 0.925), tied at K = 4096 (conf3 0.850 vs
-# 0.848, conf5 0.804 vs 0.809) and lost at K = 8192 (conf4 6.90 vs 6.30); in the weight's own
-# layout (dX) it won at K = 512 and 1536 (7B-like 0.59 vs 0.67, qwen3-like 2.38 vs 2.52, v5)
-# and lost from K = 4096 on (conf7 1.539 vs 1.509, conf5 1.557 vs 1.516, conf3 1.803 vs 1.623,
-# conf6 at K = 16384 6.79 vs 6.61).
+# torch._grouped_mm against the row-GEMM kernel (weight through TMA, persistent) on the H200
+# (scripts/tune_kernels.py, benchmarks/results/2026-11-29-h200-v9; ms, kernel vs grouped_mm): with
+# the weight read transposed (fc2) they tie at short reductions (7B-like K = 256: 0.406 vs 0.398,
+# qwen3-like K = 768: 1.356 vs 1.355) and the kernel wins from K = 2048 on (conf7 0.886 vs 0.993;
+# K = 4096: conf3 0.733 vs 0.723, conf5 0.732 vs 0.742; K = 8192: conf4 5.94 vs 6.54, conf6 2.86
+# vs 2.93); in the weight's own layout (dX) they tie at K = 512 and 1536 (7B-like 0.587 vs 0.586,
+# qwen3-like 2.392 vs 2.409) and the kernel wins from K = 4096 on (conf7 1.665 vs 1.852, conf5
+# 1.437 vs 1.464, conf3 1.426 vs 1.408, conf6 at K = 16384 5.73 vs 6.73).
 GROUPED_MM_MAX_K_UNTRANSPOSED = 2048
-GROUPED_MM_MAX_K_TRANSPOSED = 4096
+GROUPED_MM_MAX_K_TRANSPOSED = 1024
 
 
 def grouped_mm_applies(a, weight, *, transpose_weight) -> bool:
