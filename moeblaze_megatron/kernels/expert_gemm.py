@@ -18,7 +18,8 @@ Two kernels serve the whole forward and backward pass:
 
 Row tiles never straddle two experts: row-tile i is mapped to its expert inside the kernel from
 ``expert_token_offsets``, so no host synchronization is needed and the grid is an upper bound
-(``cdiv(T*K, BLOCK_M) + E`` row tiles). All row and expert offsets are 64-bit.
+(``cdiv(T*K, BLOCK_M) + E`` row tiles), or, for a persistent config, one program per
+multiprocessor looping over the tiles that exist. All row and expert offsets are 64-bit.
 """
 
 from __future__ import annotations
