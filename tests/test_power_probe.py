@@ -1,0 +1,47 @@
+"""scripts/power_probe.py's bookkeeping, without a GPU: a mode's record from its NVML samples and
+energy counter, and the arguments it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import load_script
+
+power_probe = load_script("power_probe")
+
+
+def test_summarize_takes_the_spin_out_of_the_queued_energy():
+    # (watts, SM MHz, clock-event reasons): two of four samples held down by the software power cap.
+    samples = [(690.0, 1700, 0x4), (700.0, 1650, 0x4), (500.0, 1980, 0x0), (520.0, 1980, 0x1)]
+    rec = power_probe.summarize(samples, energy_mj=50_000.0, steps=10, step_ms=[70.0, 71.0, 90.0], spin_mj_per_step=1_000.0)
+    assert rec["steps"] == 10
+    assert rec["ms_per_step"] == 71.0  # the median: one slow step does not move it
+    assert rec["joules_per_step"] == pytest.approx(4.0)  # 50 J over 10 steps, less 1 J of spin each
+    assert rec["mean_watts"] == pytest.approx(602.5)
+    assert rec["mean_sm_mhz"] == pytest.approx(1827.5)
+    assert rec["power_capped_share"] == 0.5
+    back_to_back = power_probe.summarize(samples, energy_mj=50_000.0, steps=10, step_ms=[70.0])
+    assert back_to_back["joules_per_step"] == pytest.approx(5.0)
+
+
+def test_hardware_power_brake_counts_as_capped():
+    rec = power_probe.summarize([(700.0, 1400, 0x80)], energy_mj=1.0, steps=1, step_ms=[1.0])
+    assert rec["power_capped_share"] == 1.0
+
+
+@pytest.mark.parametrize("steps,samples", [(0, [(1.0, 1, 0)]), (3, [])])
+def test_summarize_refuses_an_empty_loop(steps, samples):
+    with pytest.raises(ValueError, match="at least one step and one sample"):
+        power_probe.summarize(samples, energy_mj=1.0, steps=steps, step_ms=[1.0])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--configs", "conf9"], "unknown \\['conf9'\\]"),
+    (["--impls", "moeblaze,nope"], "unknown \\['nope'\\]"),
+    (["--seconds", "0"], "--seconds must be positive, got 0.0"),
+    pytest.param([], "needs a CUDA GPU", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has a GPU")),
+])
+def test_bad_arguments_and_no_gpu_are_refused_by_name(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        power_probe.main(argv)
