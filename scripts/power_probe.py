@@ -41,8 +41,11 @@ class Sampler:
     """NVML readings of one GPU every ``period`` seconds on a thread, and its energy counter."""
 
     def __init__(self, index, period=0.02):
-        import pynvml
-
+        try:
+            import pynvml
+        except ImportError as exc:
+            raise SystemExit("power_probe.py reads the GPU through NVML: install nvidia-ml-py "
+                             f"(import pynvml failed: {exc})") from exc
         pynvml.nvmlInit()
         self.nvml = pynvml
         self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)

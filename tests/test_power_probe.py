@@ -3,6 +3,8 @@ energy counter, and the arguments it refuses."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -45,3 +47,9 @@ def test_summarize_refuses_an_empty_loop(steps, samples):
 def test_bad_arguments_and_no_gpu_are_refused_by_name(argv, message):
     with pytest.raises(SystemExit, match=message):
         power_probe.main(argv)
+
+
+def test_missing_nvml_is_named(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml then raises ImportError
+    with pytest.raises(SystemExit, match="install nvidia-ml-py"):
+        power_probe.Sampler(0)
