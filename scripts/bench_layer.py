@@ -2,8 +2,9 @@
 
 Runs on one GPU. For each configuration and activation it first checks every implementation's
 output and gradients against a float64 reference (at a reduced token count, same d/h/E/K), then
-times the full shape with CUDA events (median), and records the bytes saved for backward
-(parameters excluded) and the peak memory above inputs, weights and their gradients.
+times the full shape with CUDA events (median, under sustained load: see cuda_time), and records
+the bytes saved for backward (parameters excluded) and the peak memory above inputs, weights and
+their gradients.
 
     python scripts/bench_layer.py --out benchmarks/results            # every config, every peer
     python scripts/bench_layer.py --configs conf4,qwen3 --acts swiglu --impls moeblaze,grouped_mm
@@ -59,6 +60,7 @@ ALIASES = {"conf2": "conf2(filled)", "conf5": "conf5(filled)", "conf6": "conf6(f
 ENV_KNOBS = ("MOEBLAZE_AUTOTUNE", "MOEBLAZE_DIRECT_LAUNCH", "TRITON_CACHE_AUTOTUNING")
 IMPLS = ("moeblaze", "moeblaze_fc1", "grouped_mm", "megatron_sequential", "megablocks", "liger", "scattermoe")
 CHECK_TOKENS = 2048
+SPIN_CYCLES = 40_000_000  # torch.cuda._sleep cycles before a queued step: ~20 ms at the H200's 1.98 GHz
 # An illegal memory access kills the whole process, so a peer known to crash on a shape is skipped.
 KNOWN_CRASHES = {("dsv3-like", "scattermoe"): "skipped: died with an illegal memory access on this "
                  "shape when measured for DESIGN.md (2026-11-29); an IMA would end this whole run"}
@@ -352,39 +354,55 @@ def check_impl(cls, T, d, h, E, K, activation, dtype, device, seed):
     return errs
 
 
-def cuda_time(fn, warmup, reps, queued=False):
+def cuda_time(fn, warmup, reps, queued=False, warmup_s=0.0, min_s=0.0):
     """Median ms between CUDA events around ``fn``, and the median host ms ``fn`` took to return
-    (its launches; past the GPU time the host, not the GPU, sets the pace). ``queued``: the GPU
-    first spins for ~20 ms, so ``fn``'s launches queue up behind it and the time excludes every
-    wait on the host (as inside a model, where earlier layers keep the GPU busy); the spin also
-    changes the clock and power state the GPU starts from, so compare queued times only with
-    each other."""
-    for _ in range(warmup):
+    (its launches; past the GPU time the host, not the GPU, sets the pace). Warm-up: ``warmup``
+    calls and at least ``warmup_s`` seconds; then ``reps`` timed calls, more until ``min_s``
+    seconds have passed. A long enough loop times the GPU in the clock and power state it holds
+    under sustained load (a power-capped H200 settles within a second at a lower clock than it
+    starts from) rather than in whatever state the previous measurement left. ``queued``: the
+    GPU first spins for ~20 ms, so ``fn``'s launches queue up behind it and the time excludes
+    every wait on the host (as inside a model, where earlier layers keep the GPU busy); the spin
+    also lets the GPU rest before every call, so compare queued times only with each other."""
+    t0 = time.perf_counter()
+    done = 0
+    while done < warmup or time.perf_counter() - t0 < warmup_s:
         fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        done += 1
     times, host = [], []
-    for _ in range(reps):
+    t0 = time.perf_counter()
+    while len(times) < reps or time.perf_counter() - t0 < min_s:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if queued:
-            torch.cuda._sleep(40_000_000)  # cycles: ~20 ms at the H200's 1.98 GHz
+            torch.cuda._sleep(SPIN_CYCLES)
         start.record()
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         fn()
-        host.append(1e3 * (time.perf_counter() - t0))
+        host.append(1e3 * (time.perf_counter() - t1))
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times), statistics.median(host)
 
 
-def matmul_peak(device, n=8192, reps=20):
+def matmul_rates(device, warmup_s, min_s, n=8192, reps=20, batch=32):
+    """Dense bf16 n^3 matmul TFLOP/s, twice: a burst (5 warm-up and ``reps`` timed products, the
+    rate a cool GPU starts at) and sustained (``batch`` products per timed call, ~50 ms like a
+    large layer step, timed as the layer steps are: ``warmup_s`` then at least ``min_s``)."""
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = cuda_time(lambda: a @ b, 5, reps)[0]
-    return 2 * n**3 / ms / 1e9
+    burst = cuda_time(lambda: a @ b, 5, reps)[0]
+
+    def products():
+        for _ in range(batch):
+            torch.mm(a, b)
+
+    sustained = cuda_time(products, 1, reps, warmup_s=warmup_s, min_s=min_s)[0] / batch
+    return 2 * n**3 / burst / 1e9, 2 * n**3 / sustained / 1e9
 
 
-def measure(cls, T, d, h, E, K, activation, dtype, device, seed, reps):
+def measure(cls, T, d, h, E, K, activation, dtype, device, seed, reps, warmup_s=0.0, min_s=0.0):
     x, ids, probs, fc1, fc2 = make_inputs(T, d, h, E, K, activation, dtype, device, seed)
     impl = cls(fc1, fc2, activation, E, K)
     del fc1, fc2
@@ -409,9 +427,9 @@ def measure(cls, T, d, h, E, K, activation, dtype, device, seed, reps):
             t.grad = None
         impl(xi, ids, pi).backward(gy)
 
-    ms_fwd = cuda_time(fwd, 2, reps)[0]
-    ms_fwdbwd, host_ms_fwdbwd = cuda_time(fwdbwd, 2, reps)
-    ms_fwdbwd_queued = cuda_time(fwdbwd, 1, reps, queued=True)[0]
+    ms_fwd = cuda_time(fwd, 2, reps, warmup_s=warmup_s / 2, min_s=min_s / 2)[0]
+    ms_fwdbwd, host_ms_fwdbwd = cuda_time(fwdbwd, 2, reps, warmup_s=warmup_s, min_s=min_s)
+    ms_fwdbwd_queued = cuda_time(fwdbwd, 1, reps, queued=True, min_s=min_s / 2)[0]
     # Peak above inputs, weights and their gradients: the gradients' own bytes are taken out.
     for t in leaves:
         t.grad = None
@@ -447,20 +465,24 @@ def layer_steps(cls, T, d, h, E, K, activation, dtype, device):
     return steps
 
 
-def profile_kernels(cls, T, d, h, E, K, activation, dtype, device, iters=3):
+def profile_kernels(cls, T, d, h, E, K, activation, dtype, device, iters=3, queued=False, steps=None):
     """CUDA ms per kernel name per forward+backward (after warm-up, gradients set to None as in
     the timed loop), and the timeline of the last one: its span from the first kernel's start to
     the last one's end, the time no kernel ran, and the longest idle gaps with their neighbours
-    (host launch overhead and synchronizations show there)."""
-    steps = layer_steps(cls, T, d, h, E, K, activation, dtype, device)
+    (host launch overhead and synchronizations show there). ``queued``: each step behind the
+    spin of cuda_time's queued mode (the spin itself not counted); ``steps``: a layer_steps of
+    these arguments to reuse."""
+    steps = steps or layer_steps(cls, T, d, h, E, K, activation, dtype, device)
     steps(1)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        # Each from an idle GPU, as in the timed loop.
+        # Each from an idle GPU, as in the timed loop, or behind a spin.
         for _ in range(iters):
+            if queued:
+                torch.cuda._sleep(SPIN_CYCLES)
             steps(1)
     kernels = sorted(
         ((ev.time_range.start, ev.time_range.end, ev.name[:40]) for ev in prof.events()
-         if ev.device_type == torch.autograd.DeviceType.CUDA),
+         if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith("spin_kernel")),
     )
     totals = {}
     for start, end, name in kernels:
@@ -525,7 +547,11 @@ def main(argv=None):
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list (aliases: conf2, qwen3, 7b, dsv3, ...)")
     parser.add_argument("--acts", default="swiglu,silu", help="comma list of swiglu, silu, gelu")
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
-    parser.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement (median)")
+    parser.add_argument("--reps", type=int, default=10, help="timed repetitions per measurement at least (median)")
+    parser.add_argument("--seconds", type=float, default=2.0,
+                        help="fwd+bwd: timed for at least this long (fwd and queued: half), after --warmup-seconds")
+    parser.add_argument("--warmup-seconds", type=float, default=1.0,
+                        help="fwd+bwd: run this long before timing, so the GPU's clock settles under the load (fwd: half)")
     parser.add_argument("--check-tokens", type=int, default=CHECK_TOKENS)
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -555,11 +581,15 @@ def main(argv=None):
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 command="python " + " ".join(sys.argv),
-                env={k: os.environ[k] for k in ENV_KNOBS if k in os.environ})
+                env={k: os.environ[k] for k in ENV_KNOBS if k in os.environ},
+                timing=dict(min_reps=args.reps, seconds=args.seconds, warmup_seconds=args.warmup_seconds))
     started = time.perf_counter()
-    peak = matmul_peak(device)
-    meta["matmul_peak_tflops"] = peak
-    print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  dense bf16 matmul {peak:.0f} TFLOP/s", flush=True)
+    if args.seconds < 0 or args.warmup_seconds < 0:
+        sys.exit(f"--seconds and --warmup-seconds must be >= 0, got {args.seconds} and {args.warmup_seconds}")
+    peak, sustained = matmul_rates(device, args.warmup_seconds, args.seconds)
+    meta["matmul_peak_tflops"], meta["matmul_sustained_tflops"] = peak, sustained
+    print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  dense bf16 matmul {peak:.0f} TFLOP/s "
+          f"(burst), {sustained:.0f} sustained", flush=True)
     records, notes = [], []
     available = {}
     for name in impls:
@@ -587,11 +617,13 @@ def main(argv=None):
                         worst = max(v for v in errs.values() if not math.isnan(v))
                         rec["check_ok"] = worst < 3e-2
                     tuned_before = set(autotune_picks()) if name.startswith("moeblaze") else set()
-                    rec.update(measure(cls, T, d, h, E, K, act, dtype, device, 2, args.reps))
+                    rec.update(measure(cls, T, d, h, E, K, act, dtype, device, 2, args.reps, args.warmup_seconds,
+                                       args.seconds))
                     if name.startswith("moeblaze"):
                         rec["autotune_picks"] = {k: v for k, v in autotune_picks().items() if k not in tuned_before}
                     rec["tflops"] = flops_fwdbwd(T, d, h, K, act) / rec["ms_fwdbwd"] / 1e9
                     rec["pct_of_matmul"] = 100 * rec["tflops"] / peak
+                    rec["pct_of_sustained_matmul"] = 100 * rec["tflops"] / sustained
                     rec["floor_bytes"] = 2 * T * d + (4 if act == "swiglu" else 2) * T * K * h
                 except Exception as exc:
                     msg = str(exc).splitlines()[0][:200] if str(exc) else ""
@@ -680,14 +712,27 @@ def plot(records, path):
     fig.savefig(path, dpi=110)
 
 
+def timing_lines(timing):
+    """How the times were taken (runs before the sustained timing have no ``timing``)."""
+    if not timing:
+        return []
+    return [f"Each fwd+bwd time is the median of at least {timing['min_reps']} steps timed over at least "
+            f"{timing['seconds']:g} s, after {timing['warmup_seconds']:g} s of warm-up steps (fwd: half of each; queued: "
+            f"half the time, no warm-up), so every implementation is timed in the clock and power state it holds "
+            f"under sustained load. % matmul: of the burst rate; % sustained: of the dense matmul timed the same "
+            f"way as the layer.", ""]
+
+
 def markdown_table(meta, notes, records):
     lines = [
         "# bench_layer: one MoE layer, forward+backward, routing given",
         "",
         f"{meta['date']} on {meta['gpu']}, torch {meta['torch']}, Triton {meta['triton']}; "
-        f"dense bf16 matmul in the same run: {meta['matmul_peak_tflops']:.0f} TFLOP/s.",
+        f"dense bf16 matmul in the same run: {meta['matmul_peak_tflops']:.0f} TFLOP/s in a burst"
+        + (f", {meta['matmul_sustained_tflops']:.0f} sustained." if "matmul_sustained_tflops" in meta else "."),
         f"Command: `{meta['command']}`" + "".join(f" with {k}={v}" for k, v in meta.get("env", {}).items()),
         "",
+        *timing_lines(meta.get("timing")),
         "host ms: how long the forward+backward call took to return on the host (its launches and any "
         "synchronization); where it nears fwd+bwd ms the GPU waits on the host. queued ms: fwd+bwd with its "
         "launches queued behind ~20 ms of GPU work, so no wait on the host is timed (as inside a model; an "
@@ -695,9 +740,9 @@ def markdown_table(meta, notes, records):
         "another clock and power state then (on the large shapes every implementation ran ~10% faster queued): "
         "compare implementations within one column.",
         "",
-        "| config | act | impl | fwd ms | fwd+bwd ms | host ms | queued ms | TFLOP/s | % matmul | vs best peer | saved MiB | "
-        "floor MiB | peak MiB | check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| config | act | impl | fwd ms | fwd+bwd ms | host ms | queued ms | TFLOP/s | % matmul | % sustained | "
+        "vs best peer | saved MiB | floor MiB | peak MiB | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     groups = {}
     for r in records:
@@ -708,14 +753,16 @@ def markdown_table(meta, notes, records):
         best_peer = min(peers) if peers else None
         for r in recs:
             if "error" in r:
-                lines.append(f"| {cfg} | {act} | {r['impl']} | - | - | - | - | - | - | - | - | - | - | {r['error']} |")
+                lines.append(f"| {cfg} | {act} | {r['impl']} |" + " - |" * 11 + f" {r['error']} |")
                 continue
             speed = f"{best_peer / r['ms_fwdbwd']:.2f}x" if best_peer else "-"
             check = "ok" if r.get("check_ok", True) else "FAIL"
-            host, queued = (f"{r[k]:.2f}" if k in r else "-" for k in ("host_ms_fwdbwd", "ms_fwdbwd_queued"))  # older runs lack them
+            # Older runs lack some columns.
+            host, queued = (f"{r[k]:.2f}" if k in r else "-" for k in ("host_ms_fwdbwd", "ms_fwdbwd_queued"))
+            sustained = f"{r['pct_of_sustained_matmul']:.0f}%" if "pct_of_sustained_matmul" in r else "-"
             lines.append(
                 f"| {cfg} | {act} | {r['impl']} | {r['ms_fwd']:.2f} | {r['ms_fwdbwd']:.2f} | {host} | {queued} | {r['tflops']:.0f} | "
-                f"{r['pct_of_matmul']:.0f}% | {speed} | {r['saved_bytes'] / 2**20:.0f} | {r['floor_bytes'] / 2**20:.0f} | "
+                f"{r['pct_of_matmul']:.0f}% | {sustained} | {speed} | {r['saved_bytes'] / 2**20:.0f} | {r['floor_bytes'] / 2**20:.0f} | "
                 f"{r['peak_bytes'] / 2**20:.0f} | {check} |")
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]

@@ -10,9 +10,11 @@
 # MegaBlocks builds in the background (about 3 minutes of CPU) while the GPU tests, the Megatron
 # check and the routing benchmark run; then the layer benchmark with every peer that imports.
 # Each step has its own time limit (seconds, overridable) so the whole fits one 10-minute call;
-# STEPS picks some of them (default: "tests megatron routing layer silu"; "tune" times the six
-# GEMMs config by config, TUNE_ARGS adds tune_kernels.py flags; LAYER_CONFIGS, LAYER_ACTS,
-# LAYER_IMPLS and LAYER_FLAGS (default --profile) shape the layer step). Every step's whole output
+# STEPS picks some of them (default: "tests megatron routing layer silu"; TESTS_PATHS narrows the
+# tests (default tests/gpu); "tune" times the six GEMMs config by config, TUNE_ARGS adds
+# tune_kernels.py flags; LAYER_CONFIGS, LAYER_ACTS, LAYER_IMPLS and LAYER_FLAGS (default
+# --profile) shape the layer step; "power" runs scripts/power_probe.py --kernels on POWER_CONFIGS
+# and POWER_IMPLS). Every step's whole output
 # is kept as $out/STEP.log. Results go to $OUT (default benchmarks/results/latest).
 set -u
 cd "$(dirname "$0")/.."
@@ -22,8 +24,8 @@ export PYTHONUNBUFFERED=1
 steps=" ${STEPS:-tests megatron routing layer silu} "
 for name in $steps; do
   case $name in
-    tests|megatron|routing|tune|layer|silu) ;;
-    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing tune layer silu"; exit 1 ;;
+    tests|megatron|routing|tune|power|layer|silu) ;;
+    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing tune power layer silu"; exit 1 ;;
   esac
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -39,20 +41,25 @@ step() {
   echo "== $name rc=${PIPESTATUS[0]} [$(date +%T)]"
 }
 
-if [ -x .whl/build-megablocks.sh ] && [[ $steps == *" layer "* || $steps == *" silu "* ]]; then
+# A machine still warm from the previous call keeps /tmp: MegaBlocks is built once.
+if [ -x .whl/build-megablocks.sh ] && [ ! -d /tmp/mb/megablocks ] \
+    && [[ $steps == *" layer "* || $steps == *" silu "* || $steps == *" power "* ]]; then
   (bash .whl/build-megablocks.sh > /tmp/megablocks_build.log 2>&1; echo "megablocks build rc=$?" >> /tmp/megablocks_build.log) &
   build=$!
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv,noheader
-step tests "${TESTS_S:-180}" 6 python3 -m pytest tests/gpu -q -x -p no:cacheprovider
+# shellcheck disable=SC2086  # TESTS_PATHS is a list of paths
+step tests "${TESTS_S:-180}" 6 python3 -m pytest ${TESTS_PATHS:-tests/gpu} -q -x -p no:cacheprovider
 step megatron "${MEGATRON_S:-120}" 32 python3 scripts/gpu_megatron_check.py --out "$out/gpu_megatron_check.json"
 step routing "${ROUTING_S:-60}" 24 python3 scripts/bench_routing.py --quick --out "$out/bench_routing_quick.json"
 # shellcheck disable=SC2086  # TUNE_ARGS is a list of flags
 step tune "${TUNE_S:-200}" 40 python3 scripts/tune_kernels.py --out "$out" --time-limit $(( ${TUNE_S:-200} - 40 )) ${TUNE_ARGS:-}
 if [ -n "${build:-}" ]; then
   wait "$build"; tail -n 2 /tmp/megablocks_build.log
-  export PYTHONPATH=/tmp/mb:$PYTHONPATH
 fi
+[ -d /tmp/mb/megablocks ] && export PYTHONPATH=/tmp/mb:$PYTHONPATH
+step power "${POWER_S:-200}" 120 python3 scripts/power_probe.py --out "$out" --kernels --seconds "${POWER_SECONDS:-3}" \
+  --configs "${POWER_CONFIGS:-conf4,7b}" --impls "${POWER_IMPLS:-moeblaze,grouped_mm,megablocks}"
 # shellcheck disable=SC2086  # LAYER_FLAGS is a list of flags
 step layer "${LAYER_S:-260}" 200 python3 scripts/bench_layer.py --out "$out" --configs "${LAYER_CONFIGS:-qwen3,7b,conf4,dsv3}" \
   --acts "${LAYER_ACTS:-swiglu}" --reps 5 --impls "${LAYER_IMPLS:-moeblaze,grouped_mm,megatron_sequential,megablocks,liger,scattermoe}" \

@@ -1,11 +1,11 @@
 """Energy per step of one MoE layer's forward+backward, back to back and queued behind a spin.
 
-bench_layer.py times every step twice: back to back (the "from idle" column: the GPU rests only
-for the host's ~0.1 ms turnaround between steps) and queued behind a 20 ms one-thread spin. On
-the large shapes every implementation runs faster queued, moeblaze most (conf4: 17% against
-MegaBlocks' 6%, benchmarks/results/2026-11-29-h200-v9). If the board's power cap is why, the back-
-to-back step time is its energy over the cap, and energy per step is what to compare. This script
-runs each mode for a few seconds per implementation and reads, through NVML, the board's energy
+bench_layer.py times every step back to back (the GPU rests only for the host's ~0.1 ms
+turnaround between steps) and queued behind a 20 ms one-thread spin. On the large shapes every
+implementation runs faster queued: the H200 is power-capped there, and a rested GPU starts each
+step at a higher clock (benchmarks/results/2026-11-29-h200-v10). Back to back, the step time is
+then the step's energy over the cap, and energy per step is what to compare. This script runs
+each mode for a few seconds per implementation and reads, through NVML, the board's energy
 counter around the loop and its power, SM clock and clock-limit reasons every 20 ms:
 
     python scripts/power_probe.py --configs conf4 --impls moeblaze,megablocks --seconds 4
@@ -13,6 +13,8 @@ counter around the loop and its power, SM clock and clock-limit reasons every 20
 Per (config, implementation, mode): ms per step (CUDA events, median), steps, joules per step
 (queued: the spin's own energy, measured alone, taken out), mean watts and SM MHz over the loop,
 and the share of samples whose clock was held down by the power cap. Output: a table and JSON.
+With --kernels, each kernel's CUDA time per step in both modes too (torch.profiler), to see
+which kernels stretch when the GPU gets no rest.
 """
 
 from __future__ import annotations
@@ -31,9 +33,8 @@ import torch
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [SCRIPTS, os.path.join(SCRIPTS, "..")]
 
-from bench_layer import ALIASES, CONFIGS, IMPL_CLASSES, layer_steps  # noqa: E402
+from bench_layer import ALIASES, CONFIGS, IMPL_CLASSES, SPIN_CYCLES, layer_steps, profile_kernels  # noqa: E402
 
-SPIN_CYCLES = 40_000_000  # ~20 ms at the H200's 1.98 GHz, as bench_layer.py's queued timing
 POWER_CAP_REASONS = 0x4 | 0x80  # NVML clocks-event reasons: software power cap, hardware power brake
 
 
@@ -128,12 +129,30 @@ def spin_energy_mj(sampler, seconds):
     return energy / spins
 
 
+def kernel_lines(back_to_back, queued):
+    """Two profile_kernels results (the same steps back to back and queued) side by side: per
+    kernel name, ms per step in each mode and their ratio, slowest back to back first; then each
+    mode's span and the time no kernel ran."""
+    names = sorted(set(back_to_back["kernels"]) | set(queued["kernels"]), key=lambda n: -back_to_back["kernels"].get(n, 0.0))
+    lines = []
+    for name in names:
+        a, b = back_to_back["kernels"].get(name), queued["kernels"].get(name)
+        ratio = f"{a / b:5.2f}x" if a and b else "    -"
+        lines.append(f"    {name:40s} {a or 0.0:8.3f} {b or 0.0:8.3f} ms  {ratio}")
+    for mode, prof in (("back to back", back_to_back), ("queued", queued)):
+        lines.append(f"    {mode}: span {prof['span_ms']:.3f} ms, no kernel running {prof['idle_ms']:.3f} ms, "
+                     f"{prof['launches']} launches")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="conf4", help="comma list (aliases: qwen3, 7b, conf6, ...)")
     ap.add_argument("--impls", default="moeblaze,megablocks", help=f"comma list of {', '.join(IMPL_CLASSES)}")
     ap.add_argument("--activation", default="swiglu", choices=["swiglu", "silu", "gelu"])
     ap.add_argument("--seconds", type=float, default=4.0, help="per mode and implementation")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also profile each kernel's CUDA time per step in both modes (which kernels stretch)")
     ap.add_argument("--out", default=None, help="folder for power_probe.json")
     args = ap.parse_args(argv)
     configs = [ALIASES.get(c, c) for c in args.configs.split(",") if c]
@@ -161,6 +180,13 @@ def main(argv=None):
                     print(f"{cfg:16s} {name:12s} {mode:12s} {rec['ms_per_step']:8.2f} ms  {rec['joules_per_step']:7.2f} J"
                           f"  {rec['mean_watts']:5.0f} W  {rec['mean_sm_mhz']:5.0f} MHz  power-capped "
                           f"{100 * rec['power_capped_share']:3.0f}%  ({rec['steps']} steps)", flush=True)
+                if args.kernels:
+                    profiles = {mode: profile_kernels(IMPL_CLASSES[name], T, d, h, E, K, args.activation, torch.bfloat16,
+                                                      device, queued=queued, steps=steps)
+                                for mode, queued in (("back_to_back", False), ("queued", True))}
+                    records.append(dict(config=cfg, impl=name, activation=args.activation, mode="kernels", **profiles))
+                    print(f"{cfg:16s} {name:12s} kernel ms per step: back to back, queued\n"
+                          + "\n".join(kernel_lines(profiles["back_to_back"], profiles["queued"])), flush=True)
                 del steps
             except Exception as exc:  # a peer that is not importable is reported, not fatal
                 print(f"{cfg:16s} {name:12s} not run: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", flush=True)

@@ -249,6 +249,37 @@ def assert_plans_identical(got, want, label: str = "") -> None:
 # MoE MLP oracle and problems
 
 
+def row_gemm_layer(plan, tokens, d, h, activation, dtype, seed, config, device="cpu", fc1_config=None):
+    """fc1 with the activation, fc2, dH with the activation backward and dX through the row-GEMM
+    kernel with one ``config`` (fc1 with ``fc1_config`` if given: the SwiGLU forward's tile must
+    fit both halves), as the layer runs them, on fresh inputs drawn from ``seed``; every output
+    poisoned with NaN first. Returns (pre, h, fc2 out, dh, d pre, router-gradient partials, dx),
+    one row per plan slot."""
+    from moeblaze_megatron.kernels import expert_gemm as eg
+
+    E = plan.num_experts
+    width = 2 * h if activation == "swiglu" else h
+    g = torch.Generator().manual_seed(seed)
+    on = lambda t: t.to(dtype).to(device)  # noqa: E731
+    x, dy = on(torch.randn(tokens, d, generator=g)), on(torch.randn(tokens, d, generator=g))
+    fc1 = on(torch.randn(E, width, d, generator=g) * d**-0.5)
+    fc2 = on(torch.randn(E, d, h, generator=g) * h**-0.5)
+    rows = plan.expert_token_indices.shape[0]
+    probs = on(torch.rand(rows, generator=g))
+    nan = lambda *shape: torch.full(shape, float("nan"), dtype=dtype, device=device)  # noqa: E731
+    pre, hid, out2, hs, dx = nan(rows, width), nan(rows, h), nan(rows, d), nan(rows, h), nan(rows, d)
+    kw = dict(plan=plan, config=config)
+    eg.row_gemm(x, fc1, hid, transpose_weight=True, epilogue=eg.EPI_ACT_FWD, activation=activation, pre=pre,
+                n=h, plan=plan, config=fc1_config or config)
+    eg.row_gemm(hid, fc2, out2, transpose_weight=True, gather_a=False, n=d, **kw)
+    dpre = pre.clone()
+    ds = torch.full((rows, -(-h // config.kwargs["BLOCK_N"])), float("nan"), device=device)  # one per column tile
+    eg.row_gemm(dy, fc2, hs, transpose_weight=False, epilogue=eg.EPI_ACT_BWD, activation=activation, pre=dpre,
+                probs_sorted=probs, ds_partial=ds, n=h, **kw)
+    eg.row_gemm(dpre, fc1, dx, transpose_weight=False, gather_a=False, n=d, **kw)
+    return pre, hid, out2, hs, dpre, ds, dx
+
+
 def per_expert_weight_grad64(tokens: torch.Tensor, rows: torch.Tensor, plan, gather_a: bool) -> torch.Tensor:
     """float64 oracle of a weight gradient with one gathered operand: for each expert e,
     ``tokens[idx(e)]^T @ rows(e)`` (gather_a) or ``rows(e)^T @ tokens[idx(e)]``; zeros for an

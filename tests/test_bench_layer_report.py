@@ -19,9 +19,10 @@ def _record(impl, ms, **extra):
 
 def test_report_only_rewrites_the_table(tmp_path):
     meta = dict(gpu="test GPU", torch="t", triton="t", date="2026-11-29", command="python scripts/bench_layer.py",
-                matmul_peak_tflops=500.0, env={"MOEBLAZE_AUTOTUNE": "0"})
+                matmul_peak_tflops=500.0, matmul_sustained_tflops=400.0, env={"MOEBLAZE_AUTOTUNE": "0"},
+                timing=dict(min_reps=5, seconds=2.0, warmup_seconds=1.0))
     records = [
-        _record("moeblaze", 5.0, host_ms_fwdbwd=1.25, ms_fwdbwd_queued=4.5),
+        _record("moeblaze", 5.0, host_ms_fwdbwd=1.25, ms_fwdbwd_queued=4.5, pct_of_sustained_matmul=25.0),
         _record("grouped_mm", 10.0),  # a record from before host time was measured
         _record("scattermoe", 7.5, host_ms_fwdbwd=7.0),
         dict(config="qwen3-30b-like", activation="swiglu", impl="liger", error="OOM"),
@@ -42,6 +43,11 @@ def test_report_only_rewrites_the_table(tmp_path):
     assert rows["grouped_mm"][col["host ms"]] == "-"
     assert rows["moeblaze"][col["queued ms"]] == "4.50"
     assert rows["scattermoe"][col["queued ms"]] == "-"
+    assert rows["moeblaze"][col["% matmul"]] == "20%"
+    assert rows["moeblaze"][col["% sustained"]] == "25%"
+    assert rows["grouped_mm"][col["% sustained"]] == "-"  # a record from before the sustained rate
+    assert "500 TFLOP/s in a burst, 400 sustained." in table
+    assert "median of at least 5 steps timed over at least 2 s, after 1 s of warm-up" in table
     assert rows["liger"][-1].strip("| ") == "OOM"
     assert len(rows["liger"]) == len(header)
     assert "megablocks: not run" in table

@@ -36,8 +36,17 @@ def test_swiglu_forward_stays_within_128_columns(gpu_lists):
     kept = _prune(configs, eg.EPI_ACT_FWD, "swiglu")
     assert kept and all(c.kwargs["BLOCK_N"] <= 128 for c in kept)
     assert len(_prune(configs, eg.EPI_ACT_FWD, "silu")) == len(configs)
-    assert len(_prune(configs, eg.EPI_STORE, "swiglu")) == len(configs)
-    assert max(c.kwargs["BLOCK_N"] for c in configs) > 128  # the plain GEMMs keep their wide tiles
+    assert max(c.kwargs["BLOCK_N"] for c in configs) > 128
+
+
+def test_plain_gemms_time_neither_128x128_tile(gpu_lists):
+    configs = eg._row_gemm_configs()
+    for activation in ("swiglu", "gelu"):
+        kept = _prune(configs, eg.EPI_STORE, activation)
+        assert {eg.config_label(c) for c in kept} == {
+            "128x256x64/g8/w8/s4", "128x256x64/g8/w8/s4/p", "128x256x64/g8/w8/s3/p",  # the wide tiles stay
+            "128x64x64/g8/w8/s4", "64x128x64/g8/w4/s4",  # and the narrow ones, for experts with few rows
+        }
 
 
 def test_no_autotune_gives_one_config_per_epilogue(gpu_lists, monkeypatch):

@@ -53,3 +53,14 @@ def test_missing_nvml_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml then raises ImportError
     with pytest.raises(SystemExit, match="install nvidia-ml-py"):
         power_probe.Sampler(0)
+
+
+def test_kernel_lines_pair_the_modes_by_kernel_slowest_first():
+    b2b = dict(kernels={"gemm_a": 2.0, "gemm_b": 6.0, "only_b2b": 0.5}, span_ms=9.0, idle_ms=0.25, launches=7)
+    queued = dict(kernels={"gemm_a": 2.0, "gemm_b": 5.0, "only_queued": 0.1}, span_ms=7.5, idle_ms=0.0, launches=7)
+    lines = power_probe.kernel_lines(b2b, queued)
+    assert [line.split()[0] for line in lines[:4]] == ["gemm_b", "gemm_a", "only_b2b", "only_queued"]
+    assert lines[0].split()[1:] == ["6.000", "5.000", "ms", "1.20x"]
+    assert lines[2].split()[1:] == ["0.500", "0.000", "ms", "-"]  # no ratio against a kernel the other mode lacks
+    assert lines[4] == "    back to back: span 9.000 ms, no kernel running 0.250 ms, 7 launches"
+    assert lines[5] == "    queued: span 7.500 ms, no kernel running 0.000 ms, 7 launches"

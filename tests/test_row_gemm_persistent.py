@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 
-from conftest import make_topk_ids
+from conftest import make_topk_ids, row_gemm_layer
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels import expert_gemm as eg
 
@@ -18,32 +18,6 @@ from moeblaze_megatron.kernels import expert_gemm as eg
 def _config(persistent):
     return triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "PERSISTENT": persistent},
                          num_warps=4)
-
-
-def _layer(plan, tokens, activation, dtype, gen, persistent):
-    """fc1 with the activation, fc2, dH with the activation backward and dX, as the layer runs them
-    (the row-order GEMMs through the kernel), outputs poisoned first."""
-    E = plan.num_experts
-    d, h = 40, 24  # neither a multiple of the 16-wide tile
-    width = 2 * h if activation == "swiglu" else h
-    g = torch.Generator().manual_seed(gen)
-    x, dy = torch.randn(tokens, d, generator=g).to(dtype), torch.randn(tokens, d, generator=g).to(dtype)
-    fc1 = (torch.randn(E, width, d, generator=g) * d**-0.5).to(dtype)
-    fc2 = (torch.randn(E, d, h, generator=g) * h**-0.5).to(dtype)
-    rows = plan.expert_token_indices.shape[0]
-    probs = torch.rand(rows, generator=g).to(dtype)
-    nan = lambda *shape: torch.full(shape, float("nan"), dtype=dtype)  # noqa: E731
-    pre, hid, out2, hs, dx = nan(rows, width), nan(rows, h), nan(rows, d), nan(rows, h), nan(rows, d)
-    kw = dict(plan=plan, config=_config(persistent))
-    eg.row_gemm(x, fc1, hid, transpose_weight=True, epilogue=eg.EPI_ACT_FWD, activation=activation, pre=pre,
-                n=h, **kw)
-    eg.row_gemm(hid, fc2, out2, transpose_weight=True, gather_a=False, n=d, **kw)
-    dpre = pre.clone()
-    ds = torch.full((rows, eg.row_gemm_ds_tiles(h)), float("nan"))
-    eg.row_gemm(dy, fc2, hs, transpose_weight=False, epilogue=eg.EPI_ACT_BWD, activation=activation, pre=dpre,
-                probs_sorted=probs, ds_partial=ds, n=h, **kw)
-    eg.row_gemm(dpre, fc1, dx, transpose_weight=False, gather_a=False, n=d, **kw)
-    return pre, hid, out2, hs, dpre, ds, dx
 
 
 # (kind, T, E, K): small enough for the interpreter, each with more row tiles than programs.
@@ -64,8 +38,9 @@ def test_persistent_launch_gives_the_per_tile_launchs_bits(case, activation, dty
     topk_ids = make_topk_ids(kind, tokens, E, K, torch.Generator().manual_seed(7))
     plan = build_routing_plan(topk_ids, E)
     gen = hash((case, activation)) % 2**31
-    per_tile = _layer(plan, tokens, activation, dtype, gen, persistent=False)
-    persistent = _layer(plan, tokens, activation, dtype, gen, persistent=True)
+    # d = 40, h = 24: neither a multiple of the 16-wide tile.
+    per_tile = row_gemm_layer(plan, tokens, 40, 24, activation, dtype, gen, _config(False))
+    persistent = row_gemm_layer(plan, tokens, 40, 24, activation, dtype, gen, _config(True))
     used = int(plan.expert_token_offsets[-1])
     row_tiles = sum(-(-n // 16) for n in plan.expert_token_offsets.diff().tolist())
     assert used == 0 or row_tiles > eg._sm_count(torch.device("cpu"))  # programs loop over tiles
