@@ -565,6 +565,8 @@ def main(argv=None):
         write_report(saved["meta"], saved["notes"], saved["records"], os.path.dirname(args.report_only) or ".",
                      os.path.splitext(os.path.basename(args.report_only))[0])
         return
+    if args.seconds < 0 or args.warmup_seconds < 0:
+        sys.exit(f"--seconds and --warmup-seconds must be >= 0, got {args.seconds} and {args.warmup_seconds}")
     if not torch.cuda.is_available():
         sys.exit("bench_layer.py needs a CUDA GPU")
     device = torch.device("cuda")
@@ -584,8 +586,6 @@ def main(argv=None):
                 env={k: os.environ[k] for k in ENV_KNOBS if k in os.environ},
                 timing=dict(min_reps=args.reps, seconds=args.seconds, warmup_seconds=args.warmup_seconds))
     started = time.perf_counter()
-    if args.seconds < 0 or args.warmup_seconds < 0:
-        sys.exit(f"--seconds and --warmup-seconds must be >= 0, got {args.seconds} and {args.warmup_seconds}")
     peak, sustained = matmul_rates(device, args.warmup_seconds, args.seconds)
     meta["matmul_peak_tflops"], meta["matmul_sustained_tflops"] = peak, sustained
     print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  dense bf16 matmul {peak:.0f} TFLOP/s "

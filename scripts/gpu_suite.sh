@@ -9,12 +9,13 @@
 # then on the GPU machine, carrying .whl and .peers:   bash scripts/gpu_suite.sh
 # MegaBlocks builds in the background (about 3 minutes of CPU) while the GPU tests, the Megatron
 # check and the routing benchmark run; then the layer benchmark with every peer that imports.
-# Each step has its own time limit (seconds, overridable) so the whole fits one 10-minute call;
-# STEPS picks some of them (default: "tests megatron routing layer silu"; TESTS_PATHS narrows the
-# tests (default tests/gpu); "tune" times the six GEMMs config by config, TUNE_ARGS adds
-# tune_kernels.py flags; LAYER_CONFIGS, LAYER_ACTS, LAYER_IMPLS and LAYER_FLAGS (default
-# --profile) shape the layer step; "power" runs scripts/power_probe.py --kernels on POWER_CONFIGS
-# and POWER_IMPLS). Every step's whole output
+# Each step has its own time limit (seconds, overridable: NAME_S). Not every step fits one
+# 10-minute call together (on a cold machine tests/gpu takes 5-6 minutes, the layer benchmark
+# about a minute per config with four implementations): STEPS picks some of them (default:
+# "tests megatron routing layer silu"; TESTS_PATHS narrows the tests (default tests/gpu); "tune"
+# times the six GEMMs config by config, TUNE_ARGS adds tune_kernels.py flags; LAYER_CONFIGS,
+# LAYER_ACTS, LAYER_IMPLS and LAYER_FLAGS (default --profile) shape the layer step; "power" runs
+# scripts/power_probe.py --kernels on POWER_CONFIGS and POWER_IMPLS). Every step's whole output
 # is kept as $out/STEP.log. Results go to $OUT (default benchmarks/results/latest).
 set -u
 cd "$(dirname "$0")/.."
@@ -49,7 +50,7 @@ if [ -x .whl/build-megablocks.sh ] && [ ! -d /tmp/mb/megablocks ] \
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv,noheader
 # shellcheck disable=SC2086  # TESTS_PATHS is a list of paths
-step tests "${TESTS_S:-180}" 6 python3 -m pytest ${TESTS_PATHS:-tests/gpu} -q -x -p no:cacheprovider
+step tests "${TESTS_S:-360}" 6 python3 -m pytest ${TESTS_PATHS:-tests/gpu} -q -x -p no:cacheprovider
 step megatron "${MEGATRON_S:-120}" 32 python3 scripts/gpu_megatron_check.py --out "$out/gpu_megatron_check.json"
 step routing "${ROUTING_S:-60}" 24 python3 scripts/bench_routing.py --quick --out "$out/bench_routing_quick.json"
 # shellcheck disable=SC2086  # TUNE_ARGS is a list of flags

@@ -193,7 +193,9 @@ def main(argv=None):
             torch.cuda.empty_cache()
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+        import triton
+
+        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     command="python " + " ".join(sys.argv), spin_mj=spin_mj)
         with open(os.path.join(args.out, "power_probe.json"), "w") as f:

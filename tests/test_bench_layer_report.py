@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from conftest import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -52,3 +56,10 @@ def test_report_only_rewrites_the_table(tmp_path):
     assert len(rows["liger"]) == len(header)
     assert "megablocks: not run" in table
     assert "Command: `python scripts/bench_layer.py` with MOEBLAZE_AUTOTUNE=0" in table
+
+
+@pytest.mark.parametrize("flag", ["--seconds", "--warmup-seconds"])
+def test_negative_timing_is_refused_by_name(flag):
+    bench_layer = load_script("bench_layer")
+    with pytest.raises(SystemExit, match="--seconds and --warmup-seconds must be >= 0"):
+        bench_layer.main([flag, "-1"])
