@@ -359,8 +359,8 @@ def cuda_time(fn, warmup, reps, queued=False, warmup_s=0.0, min_s=0.0):
     (its launches; past the GPU time the host, not the GPU, sets the pace). Warm-up: ``warmup``
     calls and at least ``warmup_s`` seconds; then ``reps`` timed calls, more until ``min_s``
     seconds have passed. A long enough loop times the GPU in the clock and power state it holds
-    under sustained load (a power-capped H200 settles within a second at a lower clock than it
-    starts from) rather than in whatever state the previous measurement left. ``queued``: the
+    under sustained load (a power-capped H200 runs the large shapes at a lower clock than it
+    starts them at) rather than in whatever state the previous measurement left. ``queued``: the
     GPU first spins for ~20 ms, so ``fn``'s launches queue up behind it and the time excludes
     every wait on the host (as inside a model, where earlier layers keep the GPU busy); the spin
     also lets the GPU rest before every call, so compare queued times only with each other."""
