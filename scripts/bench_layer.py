@@ -567,6 +567,8 @@ def main(argv=None):
         return
     if args.seconds < 0 or args.warmup_seconds < 0:
         sys.exit(f"--seconds and --warmup-seconds must be >= 0, got {args.seconds} and {args.warmup_seconds}")
+    if args.reps < 1:
+        sys.exit(f"--reps must be at least 1 (timed steps per measurement), got {args.reps}")
     if not torch.cuda.is_available():
         sys.exit("bench_layer.py needs a CUDA GPU")
     device = torch.device("cuda")

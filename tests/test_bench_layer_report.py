@@ -63,3 +63,9 @@ def test_negative_timing_is_refused_by_name(flag):
     bench_layer = load_script("bench_layer")
     with pytest.raises(SystemExit, match="--seconds and --warmup-seconds must be >= 0"):
         bench_layer.main([flag, "-1"])
+
+
+def test_no_timed_steps_is_refused_by_name():
+    bench_layer = load_script("bench_layer")
+    with pytest.raises(SystemExit, match="--reps must be at least 1 .*, got 0"):
+        bench_layer.main(["--reps", "0"])
