@@ -11,7 +11,8 @@ fc2_grouped_mm / dx_grouped_mm (the two GEMMs whose rows are already in expert o
 torch._grouped_mm), dw1_pointer / dw2_pointer
 (the expert-order operand through pointer loads instead of the TMA descriptor the layer uses) and
 fc1_act_pointer / dh_act_bwd_pointer / dx_pointer (the weight through pointer loads instead of the
-layer's TMA descriptor).
+layer's TMA descriptor) and fc2_rows_pointer / dx_rows_pointer (A and the output, in expert order,
+through pointers instead of ragged TMA descriptors).
 
     python scripts/tune_kernels.py --shapes conf4,qwen3,7b --out /tmp/tune
     python scripts/tune_kernels.py --shapes conf6 --activation silu --ops fc1_act,dh_act_bwd
@@ -160,14 +161,15 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
     dw1_pointer, dw2_pointer = torch.empty_like(fc1), torch.empty_like(fc2)
     fc2_kernel, dx_kernel = x.new_empty(rows, d), x.new_empty(rows, d)
     hid_pointer, pre_pointer, grad_rows_pointer = torch.empty_like(hid), torch.empty_like(pre), x.new_empty(rows, d)
-    h_scaled_pointer = torch.empty_like(h_scaled)
+    h_scaled_pointer, fc2_rows_pointer = torch.empty_like(h_scaled), x.new_empty(rows, d)
     eg.row_gemm(hid, fc2, fc2_kernel, plan, transpose_weight=True, gather_a=False, n=d)
     eg.row_gemm(dpre, fc1, dx_kernel, plan, transpose_weight=False, gather_a=False, n=d)
     gemm = 2.0 * rows * d * h
     gemm1 = 2.0 * rows * d * width  # fc1, dW1 and dX
     references = {"dw1_grouped_mm": (dw1_kernel,), "dw2_grouped_mm": (dw2_kernel,), "dw1_pointer": (dw1_kernel,), "dw2_pointer": (dw2_kernel,),
                   "fc2_grouped_mm": (fc2_kernel,), "dx_grouped_mm": (dx_kernel,), "fc1_act_pointer": fc1_ref,
-                  "dh_act_bwd_pointer": dh_ref, "dx_pointer": (dx_kernel,)}
+                  "dh_act_bwd_pointer": dh_ref, "dx_pointer": (dx_kernel,), "fc2_rows_pointer": (fc2_kernel,),
+                  "dx_rows_pointer": (dx_kernel,)}
     return plan, references, [
         ("fc1_act", gemm1, "row_glu" if activation == "swiglu" else "row",
          lambda c: eg.row_gemm(x, fc1, hid, plan, transpose_weight=True, epilogue=eg.EPI_ACT_FWD,
@@ -222,6 +224,16 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
          lambda c: eg.row_gemm(dpre, fc1, grad_rows_pointer, plan, transpose_weight=False, gather_a=False, n=d,
                                config=c, tma_weight=False),
          lambda: (grad_rows_pointer,), nothing),
+        # Diagnostic: fc2's and dX's rows in expert order (A and the output) through pointers
+        # instead of ragged TMA descriptors (bitwise the same result).
+        ("fc2_rows_pointer", gemm, "row",
+         lambda c: eg.row_gemm(hid, fc2, fc2_rows_pointer, plan, transpose_weight=True, gather_a=False, n=d, config=c,
+                               tma_rows=False),
+         lambda: (fc2_rows_pointer,), nothing),
+        ("dx_rows_pointer", gemm1, "row",
+         lambda c: eg.row_gemm(dpre, fc1, grad_rows_pointer, plan, transpose_weight=False, gather_a=False, n=d,
+                               config=c, tma_rows=False),
+         lambda: (grad_rows_pointer,), nothing),
         # Diagnostic: fc2 and dX as torch._grouped_mm, checked against the kernel's.
         ("fc2_grouped_mm", gemm, "torch", *grouped_mm_rows("fc2", hid, fc2.transpose(1, 2)), nothing),
         ("dx_grouped_mm", gemm1, "torch", *grouped_mm_rows("dx", dpre, fc1), nothing),
@@ -247,7 +259,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default="conf4,qwen3,7b")
     ap.add_argument("--ops", default="fc1_act,fc2,dh_act_bwd,dw2,dw1,dx",
                     help="comma list; also the diagnostic dw1_contiguous, dw1_grouped_mm, dw1_pointer, dw2_pointer, "
-                    "fc2_grouped_mm, dx_grouped_mm, fc1_act_pointer, dh_act_bwd_pointer, dx_pointer")
+                    "fc2_grouped_mm, dx_grouped_mm, fc1_act_pointer, dh_act_bwd_pointer, dx_pointer, fc2_rows_pointer, "
+                    "dx_rows_pointer")
     ap.add_argument("--activation", default="swiglu", choices=sorted(eg.ACTIVATION_IDS))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--configs", default="", help="comma list of label parts (e.g. '128x256,/s5'): time only "

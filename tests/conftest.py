@@ -249,12 +249,13 @@ def assert_plans_identical(got, want, label: str = "") -> None:
 # MoE MLP oracle and problems
 
 
-def row_gemm_layer(plan, tokens, d, h, activation, dtype, seed, config, device="cpu", fc1_config=None):
+def row_gemm_layer(plan, tokens, d, h, activation, dtype, seed, config, device="cpu", fc1_config=None,
+                   tma_rows=None):
     """fc1 with the activation, fc2, dH with the activation backward and dX through the row-GEMM
     kernel with one ``config`` (fc1 with ``fc1_config`` if given: the SwiGLU forward's tile must
     fit both halves), as the layer runs them, on fresh inputs drawn from ``seed``; every output
-    poisoned with NaN first. Returns (pre, h, fc2 out, dh, d pre, router-gradient partials, dx),
-    one row per plan slot."""
+    poisoned with NaN first; ``tma_rows`` as row_gemm takes it, for fc2 and dX. Returns (pre, h,
+    fc2 out, dh, d pre, router-gradient partials, dx), one row per plan slot."""
     from moeblaze_megatron.kernels import expert_gemm as eg
 
     E = plan.num_experts
@@ -271,12 +272,12 @@ def row_gemm_layer(plan, tokens, d, h, activation, dtype, seed, config, device="
     kw = dict(plan=plan, config=config)
     eg.row_gemm(x, fc1, hid, transpose_weight=True, epilogue=eg.EPI_ACT_FWD, activation=activation, pre=pre,
                 n=h, plan=plan, config=fc1_config or config)
-    eg.row_gemm(hid, fc2, out2, transpose_weight=True, gather_a=False, n=d, **kw)
+    eg.row_gemm(hid, fc2, out2, transpose_weight=True, gather_a=False, n=d, tma_rows=tma_rows, **kw)
     dpre = pre.clone()
     ds = torch.full((rows, -(-h // config.kwargs["BLOCK_N"])), float("nan"), device=device)  # one per column tile
     eg.row_gemm(dy, fc2, hs, transpose_weight=False, epilogue=eg.EPI_ACT_BWD, activation=activation, pre=dpre,
                 probs_sorted=probs, ds_partial=ds, n=h, **kw)
-    eg.row_gemm(dpre, fc1, dx, transpose_weight=False, gather_a=False, n=d, **kw)
+    eg.row_gemm(dpre, fc1, dx, transpose_weight=False, gather_a=False, n=d, tma_rows=tma_rows, **kw)
     return pre, hid, out2, hs, dpre, ds, dx
 
 

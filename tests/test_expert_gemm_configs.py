@@ -49,6 +49,16 @@ def test_plain_gemms_time_neither_128x128_tile(gpu_lists):
         }
 
 
+def test_rows_through_descriptors_drop_persistent_four_stage_tiles(gpu_lists):
+    # C's TMA store buffer does not fit beside a persistent program's four stages.
+    configs = eg._row_gemm_configs()
+    pointers = eg._prune_row_gemm(configs, {}, EPILOGUE=eg.EPI_STORE, ACT=eg.ACT_SWIGLU, TMA_ROWS=False)
+    kept = eg._prune_row_gemm(configs, {}, EPILOGUE=eg.EPI_STORE, ACT=eg.ACT_SWIGLU, TMA_ROWS=True)
+    dropped = [c for c in pointers if c not in kept]
+    assert dropped and all(c.kwargs["PERSISTENT"] and c.num_stages >= 4 for c in dropped)
+    assert any(c.kwargs["PERSISTENT"] for c in kept)  # the three-stage persistent tiles stay
+
+
 def test_no_autotune_gives_one_config_per_epilogue(gpu_lists, monkeypatch):
     monkeypatch.setenv("MOEBLAZE_AUTOTUNE", "0")
     configs = eg._row_gemm_configs()

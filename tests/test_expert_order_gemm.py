@@ -1,8 +1,7 @@
-"""The GEMMs that can run through torch._grouped_mm (bfloat16 on Hopper): fc2 and dX, whose rows
-are already in expert order, and, for experts at least as wide as the model, the weight gradients
-as a gather into expert order plus the grouped GEMM. Both branches against float64 per expert on
-the CPU (the grouped branch forced, as torch runs it there too), with the rows of unused slots
-poisoned and experts that get no rows."""
+"""The GEMMs over rows already in expert order (fc2 and dX, through the row-GEMM kernel) and, for
+experts at least as wide as the model, the weight gradients as a gather into expert order plus
+torch._grouped_mm (bfloat16 on Hopper; forced on the CPU, where torch runs it too): against
+float64 per expert, with the rows of unused slots poisoned and experts that get no rows."""
 
 from __future__ import annotations
 
@@ -25,34 +24,12 @@ def _ids(T, E, K, kind, gen):
     return ids
 
 
-def test_grouped_mm_applies_to_bfloat16_on_hopper_only(monkeypatch):
-    a = torch.randn(4, 8).bfloat16()
-    w = torch.randn(2, 8, 8).bfloat16()
-    assert not eg.grouped_mm_applies(a, w, transpose_weight=True)  # CPU
-    # As on an H200 (compute capability 9.0): dtype and, untransposed, the reduction length decide.
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(eg, "_capability", lambda index: (9, 0))
-    assert eg.grouped_mm_applies(a, w, transpose_weight=True)
-    assert eg.grouped_mm_applies(a, w, transpose_weight=False)
-    assert not eg.grouped_mm_applies(a.float(), w.float(), transpose_weight=True)
-    assert not eg.grouped_mm_applies(a.half(), w.half(), transpose_weight=True)
-    for transpose_weight, k in ((False, eg.GROUPED_MM_MAX_K_UNTRANSPOSED), (True, eg.GROUPED_MM_MAX_K_TRANSPOSED)):
-        assert eg.grouped_mm_applies(torch.empty(4, k).bfloat16(), w, transpose_weight=transpose_weight)
-        assert not eg.grouped_mm_applies(torch.empty(4, k + 8).bfloat16(), w, transpose_weight=transpose_weight)
-    # A weight whose rows are not 16 bytes apart stays on the kernel.
-    assert not eg.grouped_mm_applies(a, torch.randn(2, 8, 12).bfloat16()[:, :, :4], transpose_weight=True)
-    monkeypatch.setattr(eg, "_capability", lambda index: (8, 0))
-    assert not eg.grouped_mm_applies(a, w, transpose_weight=True)
-
-
-@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("transpose_weight", [True, False])
 @pytest.mark.parametrize("kind", ["random", "empty_expert", "dropped"])
-def test_expert_order_gemm_matches_float64_per_expert(monkeypatch, grouped, transpose_weight, kind):
-    gen = torch.Generator().manual_seed(hash((grouped, transpose_weight, kind)) % 2**31)
+def test_expert_order_gemm_matches_float64_per_expert(transpose_weight, kind):
+    gen = torch.Generator().manual_seed(hash((transpose_weight, kind)) % 2**31)
     T, E, K, k_dim, n = 41, 6, 2, 24, 40  # rows per expert and widths not multiples of the tile
     plan = build_routing_plan(_ids(T, E, K, kind, gen), E)
-    monkeypatch.setattr(eg, "grouped_mm_applies", lambda a, weight, transpose_weight: grouped)
     a = torch.randn(T * K, k_dim, generator=gen).bfloat16()
     weight = torch.randn(E, n, k_dim, generator=gen).bfloat16() if transpose_weight else \
         torch.randn(E, k_dim, n, generator=gen).bfloat16()
@@ -66,8 +43,7 @@ def test_expert_order_gemm_matches_float64_per_expert(monkeypatch, grouped, tran
 
 
 @pytest.mark.parametrize("kind", ["random", "dropped"])
-@pytest.mark.parametrize("switch", ["expert_order_rows", "weight_grads"])
-def test_layer_through_grouped_mm_matches_the_kernel_path(monkeypatch, switch, kind):
+def test_layer_through_grouped_mm_matches_the_kernel_path(monkeypatch, kind):
     gen = torch.Generator().manual_seed(3)
     T, d, h, E, K = 29, 32, 24, 5, 2
     x = torch.randn(T, d, generator=gen).bfloat16()
@@ -81,20 +57,16 @@ def test_layer_through_grouped_mm_matches_the_kernel_path(monkeypatch, switch, k
     monkeypatch.setattr(torch, "_grouped_mm", lambda *args, **kw: calls.append(1) or grouped_mm(*args, **kw))
     results = []
     for grouped in (False, True):
-        if switch == "expert_order_rows":
-            monkeypatch.setattr(eg, "grouped_mm_applies", lambda a, weight, transpose_weight, grouped=grouped: grouped)
-        else:
-            monkeypatch.setattr(kernels_moe_mlp, "grouped_weight_grads_apply", lambda x, ffn, grouped=grouped: grouped)
+        monkeypatch.setattr(kernels_moe_mlp, "grouped_weight_grads_apply", lambda x, ffn, grouped=grouped: grouped)
         leaves = [t.clone().requires_grad_() for t in (x, probs, fc1, fc2)]
         y = moe_mlp(leaves[0], ids, leaves[1], leaves[2], leaves[3], backend="triton")
         y.backward(gy)
         results.append([y.detach()] + [t.grad for t in leaves])
-    assert len(calls) == 2  # fc2 and dX, or dW2 and dW1: in the second pass only
+    assert len(calls) == 2  # dW2 and dW1, in the second pass only
     for kernel, grouped in zip(*results):
         assert rel_error(grouped, kernel) < 1e-2
-    if switch == "weight_grads":  # y, dx and dprobs took the same path both times
-        for kernel, grouped in zip(results[0][:3], results[1][:3]):
-            assert torch.equal(kernel, grouped)
+    for kernel, grouped in zip(results[0][:3], results[1][:3]):  # y, dx and dprobs: the same path
+        assert torch.equal(kernel, grouped)
 
 
 @pytest.mark.parametrize("gather_a", [True, False])

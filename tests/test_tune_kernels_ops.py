@@ -35,7 +35,7 @@ def test_every_op_writes_finite_outputs(layer):
     _, _, ops, _ = layer
     assert {"fc1_act", "fc2", "dh_act_bwd", "dw2", "dw1", "dw1_contiguous", "dw1_grouped_mm", "dw2_grouped_mm",
             "dw1_pointer", "dw2_pointer", "dx", "fc2_grouped_mm", "dx_grouped_mm", "fc1_act_pointer",
-            "dh_act_bwd_pointer", "dx_pointer"} <= set(ops)
+            "dh_act_bwd_pointer", "dx_pointer", "fc2_rows_pointer", "dx_rows_pointer"} <= set(ops)
     for name in ops:
         if name.endswith("_grouped_mm"):
             continue  # returns a fresh tensor; checked below
@@ -76,9 +76,9 @@ def test_grouped_mm_row_diagnostics_agree_with_the_kernels(layer, name):
     assert rel_error(out, _run(ops, name.removesuffix("_grouped_mm"))[0]) < 1e-2
 
 
-def test_weight_through_pointer_diagnostics_give_the_tma_forms_bits(layer):
+def test_pointer_diagnostics_give_the_tma_forms_bits(layer):
     _, references, ops, _ = layer
-    for name in ("fc1_act_pointer", "dh_act_bwd_pointer", "dx_pointer"):
+    for name in ("fc1_act_pointer", "dh_act_bwd_pointer", "dx_pointer", "fc2_rows_pointer", "dx_rows_pointer"):
         got = _run(ops, name)
         assert len(got) == len(references[name])
         for out, ref in zip(got, references[name]):

@@ -9,7 +9,8 @@ Two kernels serve the whole forward and backward pass:
   weight tile twice as wide, so x is read once and silu(gate) * up is formed in registers from the
   two halves of one accumulator); the activation backward (silu
   recomputed from the saved pre-activations, the router-probability gradient as a row dot
-  product, the probability scaling).
+  product, the probability scaling). The weight comes through a TMA descriptor on Hopper; so do
+  A and C of the large plain GEMMs over rows in expert order (fc2, dX), through ragged ones.
 * ``_weight_grad_kernel``: ``dW[e] = A[rows(e)]^T @ B[rows(e)]``, each program reducing one output
   tile over all rows of its expert in a fixed order (no atomics, so deterministic). The operand in
   expert order comes through a ragged TMA descriptor on Hopper (17-20% faster than pointer loads
@@ -30,7 +31,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
+from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged, to_ragged_indices
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .launch import cdiv, launch, next_pow2
@@ -77,7 +78,8 @@ def _row_tiles(offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
 
 @triton.jit
 def _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
-    """Row tile ``pid_m`` -> (expert, first row, end of the expert's rows, tile exists)."""
+    """Row tile ``pid_m`` -> (expert, the expert's first row, the tile's first row, end of the
+    expert's rows, tile exists)."""
     e_idx = tl.arange(0, E_POW2)
     lo = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
     hi = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
@@ -86,9 +88,9 @@ def _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl
     e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
     this = e_idx == e
     first_tile = tl.sum(tl.where(this, ends - tiles, 0), axis=0)
-    row0 = tl.sum(tl.where(this, lo, 0), axis=0) + (pid_m - first_tile) * BLOCK_M
+    row_lo = tl.sum(tl.where(this, lo, 0), axis=0)
     row_end = tl.sum(tl.where(this, hi, 0), axis=0)
-    return e, row0, row_end, pid_m < tl.sum(tiles, axis=0)
+    return e, row_lo, row_lo + (pid_m - first_tile) * BLOCK_M, row_end, pid_m < tl.sum(tiles, axis=0)
 
 
 def autotuning() -> bool:
@@ -100,18 +102,23 @@ def autotuning() -> bool:
     return value == "1"
 
 
-def _set_weight_box(nargs):
-    """Config pre-hook: the weight descriptor's box is the config's weight tile."""
+def _set_row_gemm_boxes(nargs):
+    """Config pre-hook: each descriptor's box is the config's tile of its operand: the weight's,
+    and, for rows in expert order (ragged, led by [1, 1]), A's [BLOCK_M, BLOCK_K] and C's
+    [BLOCK_M, BLOCK_N]."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
     b = nargs["b_ptr"]
     if isinstance(b, TensorDescriptor):
-        bk, bn = nargs["BLOCK_K"], nargs["BLOCK_N"]
         b.block_shape = [1, 2, bn, bk] if len(b.shape) == 4 else [1, bn, bk] if nargs["TRANS_B"] else [1, bk, bn]
+    if isinstance(nargs["a_ptr"], TensorDescriptor):
+        nargs["a_ptr"].block_shape = [1, 1, bm, bk]
+        nargs["c_ptr"].block_shape = [1, 1, bm, bn]
 
 
 def _row_gemm_configs():
     configs = _row_gemm_tiles()
     for config in configs:
-        config.pre_hook = _set_weight_box
+        config.pre_hook = _set_row_gemm_boxes
     return configs
 
 
@@ -161,11 +168,25 @@ def _row_gemm_tiles():
 # loop were slower (v9: conf4 13.0 and 12.4 ms against 10.8).
 ACT_BWD_BLOCK_N = 256
 
+# A and C of a plain GEMM in expert order through ragged TMA descriptors ran fc2 and dX 1.5-15%
+# faster on the H200 (scripts/tune_kernels.py, benchmarks/results/2026-11-30-h200-v11: conf4 fc2
+# 5.95 vs 6.41 ms, dX 12.57 vs 12.76; qwen3-like 1.267 vs 1.351 and 2.313 vs 2.424; 7B-like 0.345
+# vs 0.406 and 0.541 vs 0.594), but each descriptor costs the host tens of microseconds a launch
+# (Triton encodes its tensor map at every launch): with descriptors on every fc1, fc2 and dX launch
+# the host-bound small shapes' steps grew by as much (host time per step conf1 1.54 -> 1.97 ms,
+# conf2 1.47 -> 2.13; back to back conf1 1.60 -> 2.04, conf2 1.80 -> 2.30; queued GPU time even).
+# Below 2**38 FLOPs (~0.4 ms of GPU) a GEMM keeps its pointers.
+TMA_ROWS_MIN_FLOPS = 2**38
+
 
 def _prune_row_gemm(configs, named_args, **kwargs):
     # The SwiGLU forward holds the gate and up halves of its tile: it spills past 128 columns.
     # (Triton passes the constexprs in kwargs, the other arguments in named_args.)
     args = {**named_args, **kwargs}
+    if args.get("TMA_ROWS"):
+        # C's store buffer does not fit shared memory beside a persistent program's four pipeline
+        # stages (sm_90a: 262 KB).
+        configs = [c for c in configs if not (c.kwargs.get("PERSISTENT") and c.num_stages >= 4)]
     if args["EPILOGUE"] == EPI_ACT_BWD:
         keep = [c for c in configs if c.kwargs["BLOCK_N"] == ACT_BWD_BLOCK_N and not c.kwargs.get("PERSISTENT")][:1]
     elif args["ACT"] == ACT_SWIGLU and args["EPILOGUE"] == EPI_ACT_FWD:
@@ -183,7 +204,7 @@ def _prune_row_gemm(configs, named_args, **kwargs):
 
 @triton.autotune(
     configs=_row_gemm_configs(),
-    key=["N", "K", "E", "rows_bucket", "EPILOGUE", "ACT", "GATHER_A", "TMA_B"],
+    key=["N", "K", "E", "rows_bucket", "EPILOGUE", "ACT", "GATHER_A", "TMA_B", "TMA_ROWS"],
     prune_configs_by={"early_config_prune": _prune_row_gemm},
     # The activation backward rewrites pre in place and fills one ds column per column tile.
     restore_value=["pre_ptr"],
@@ -199,7 +220,8 @@ def _row_gemm_kernel(
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATHER_A: tl.constexpr, STORE_PRE: tl.constexpr,
     MEND_BF16: tl.constexpr, PRECISION: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA_B: tl.constexpr = False, TRANS_B: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
+    TMA_B: tl.constexpr = False, TRANS_B: tl.constexpr = False, TMA_ROWS: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False,
 ):
     """C = A[src] @ B[e] per expert row tile, then the epilogue.
 
@@ -211,6 +233,8 @@ def _row_gemm_kernel(
     For SwiGLU, N is the width h of one half; the up half sits N columns after the gate half.
     TMA_B: B is a TMA descriptor over the weight, [E, N, K] (TRANS_B), [E, 2, N, K] (the SwiGLU
     forward's gate and up halves) or [E, K, N]; the hardware zero-fills past N and K.
+    TMA_ROWS (EPI_STORE, A in expert order): A and C are ragged TMA descriptors over the rows; the
+    hardware reads zeros and drops writes past the tile's expert, as the masks do for pointers.
     """
     n_tiles = tl.cdiv(N, BLOCK_N)
     # (One call per branch: a one-trip loop around the per-tile launch's call compiles to other
@@ -221,13 +245,14 @@ def _row_gemm_kernel(
             _row_gemm_tile(pid, m_tiles, n_tiles, a_ptr, b_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr,
                            offsets_ptr, N, K, E, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
                            stride_cm, stride_pm, stride_dsm, EPILOGUE, ACT, GATHER_A, STORE_PRE, MEND_BF16,
-                           PRECISION, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_B, TRANS_B, PERSISTENT)
+                           PRECISION, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_B, TRANS_B, TMA_ROWS,
+                           PERSISTENT)
     else:
         _row_gemm_tile(tl.program_id(0), tl.cdiv(rows_total, BLOCK_M) + E, n_tiles, a_ptr, b_ptr, c_ptr, pre_ptr,
                        probs_ptr, ds_ptr, token_idx_ptr, offsets_ptr, N, K, E, stride_am, stride_ak,
                        stride_be, stride_bk, stride_bn, stride_cm, stride_pm, stride_dsm, EPILOGUE, ACT, GATHER_A,
                        STORE_PRE, MEND_BF16, PRECISION, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_B, TRANS_B,
-                       PERSISTENT)
+                       TMA_ROWS, PERSISTENT)
 
 
 @triton.jit
@@ -237,7 +262,7 @@ def _row_gemm_tile(
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATHER_A: tl.constexpr, STORE_PRE: tl.constexpr,
     MEND_BF16: tl.constexpr, PRECISION: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA_B: tl.constexpr, TRANS_B: tl.constexpr, PERSISTENT: tl.constexpr,
+    TMA_B: tl.constexpr, TRANS_B: tl.constexpr, TMA_ROWS: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     """Output tile ``pid`` of ``m_tiles`` x ``n_tiles`` (row tiles grouped by GROUP_M)."""
     GLU: tl.constexpr = ACT == 0 and EPILOGUE != 0
@@ -247,7 +272,7 @@ def _row_gemm_tile(
     pid_m = first_m + (pid % in_group) % group_rows
     pid_n = (pid % in_group) // group_rows
 
-    e, row0, row_end, exists = _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M, E_POW2)
+    e, row_lo, row0, row_end, exists = _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M, E_POW2)
     # A persistent kernel visits existing tiles only; an if around the main loop would keep the
     # compiler from pipelining across tiles.
     if PERSISTENT or exists:
@@ -270,13 +295,17 @@ def _row_gemm_tile(
             b_cols = cols
             b_col_ok = col_ok
         ks = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :] * stride_ak
+        if not TMA_ROWS:
+            a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :] * stride_ak
         if not TMA_B:
             b_ptrs = b_ptr + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + b_cols[None, :].to(tl.int64) * stride_bn
         acc = tl.zeros((BLOCK_M, B_COLS), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = ks < K - k0
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if TMA_ROWS:
+                a = load_ragged(a_ptr, row_lo, row_end - row_lo, [row0 - row_lo, k0])
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if TMA_B and B_COLS != BLOCK_N:
                 b = tl.trans(tl.reshape(b_ptr.load([e, 0, pid_n * BLOCK_N, k0]), (B_COLS, BLOCK_K)))
             elif TMA_B and TRANS_B:
@@ -286,16 +315,23 @@ def _row_gemm_tile(
             else:
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & b_col_ok[None, :], other=0.0)
             acc = dot(a, b, acc, MEND_BF16, PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
+            if not TMA_ROWS:
+                a_ptrs += BLOCK_K * stride_ak
             if not TMA_B:
                 b_ptrs += BLOCK_K * stride_bk
 
-        out_dtype = c_ptr.dtype.element_ty
+        out_dtype = c_ptr.dtype if TMA_ROWS else c_ptr.dtype.element_ty
         r64 = rows.to(tl.int64)
-        mask = row_ok[:, None] & col_ok[None, :]
-        c_ptrs = c_ptr + r64[:, None] * stride_cm + cols[None, :]
-        pre_ptrs = pre_ptr + r64[:, None] * stride_pm + cols[None, :]
-        if EPILOGUE == 0:
+        if not TMA_ROWS:
+            mask = row_ok[:, None] & col_ok[None, :]
+            c_ptrs = c_ptr + r64[:, None] * stride_cm + cols[None, :]
+            pre_ptrs = pre_ptr + r64[:, None] * stride_pm + cols[None, :]
+        if TMA_ROWS:
+            # ragged_tma.store_ragged's own reshape fails under the interpreter (a tuple shape).
+            c0, c1, c2 = to_ragged_indices(row_lo, row_end - row_lo, row0 - row_lo)
+            c_ptr.store([c0, c1, c2, pid_n * BLOCK_N],
+                        tl.reshape(to_storage(acc, out_dtype, MEND_BF16), [1, 1, BLOCK_M, BLOCK_N]))
+        elif EPILOGUE == 0:
             tl.store(c_ptrs, to_storage(acc, out_dtype, MEND_BF16), mask=mask)
         elif EPILOGUE == 1:
             # Round to the storage dtype first: backward recomputes from the stored values.
@@ -543,14 +579,17 @@ def _tma_takes(t) -> bool:
 
 def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, activation="swiglu",
              gather_a=True, pre=None, store_pre=True, probs_sorted=None, ds_partial=None, n=None,
-             config=None, tma_weight=None):
+             config=None, tma_weight=None, tma_rows=None):
     """Launch ``_row_gemm_kernel`` over ``n`` output columns; ``weight`` is [E, out, in]
     (``transpose_weight``: multiply by its transpose, as nn.Linear does) or [E, in, out].
     ``ds_partial`` (activation backward): float32, ``row_gemm_ds_tiles(n)`` wide; every used row's
     partials are written (the rows of unused slots, past the plan's last offset, are not).
     ``tma_weight``: read the weight through a TMA descriptor where the hardware and the tensor
     allow it (None, the default: Hopper or newer, an aligned weight), always (True: an error where
-    it cannot) or never (False: pointer loads). Either gives the same bits."""
+    it cannot) or never (False: pointer loads). Either gives the same bits.
+    ``tma_rows``: the same choice for A and the output of a plain GEMM over rows in expert order
+    (``EPI_STORE``, not ``gather_a``: fc2, dX) through ragged TMA descriptors; None takes them
+    from ``TMA_ROWS_MIN_FLOPS`` on."""
     rows_total = plan.expert_token_indices.shape[0]
     num_experts = plan.num_experts
     k_dim = a.shape[1]
@@ -574,6 +613,22 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
         stride_bk, stride_bn = weight.stride(2), weight.stride(1)
     else:
         stride_bk, stride_bn = weight.stride(1), weight.stride(2)
+    rows_take = (epilogue == EPI_STORE and not gather_a and rows_total > 0
+                 and _ragged_tma_takes(a, rows_total) and _ragged_tma_takes(out, rows_total))
+    if tma_rows is None:
+        tma_rows = rows_take and 2 * rows_total * n * k_dim >= TMA_ROWS_MIN_FLOPS
+    elif tma_rows and not rows_take:
+        raise ValueError(
+            f"row_gemm(tma_rows=True): needs a plain GEMM (epilogue EPI_STORE, got {epilogue}) over A in expert "
+            f"order (gather_a=False, got {gather_a}), and A and out on a GPU of compute capability 9.0 or newer "
+            f"with 1 to 2**30 rows (got {rows_total}), unit last stride, 16-byte aligned strides and start; got "
+            f"strides {a.stride()} and {out.stride()} on {out.device}")
+    a_arg, c_arg = a, out
+    if tma_rows:
+        # The boxes are the first config's tiles; the configs' pre-hook resizes them to each one's.
+        kw = (config or _row_gemm_kernel.configs[0]).kwargs
+        a_arg = create_ragged_descriptor(a, [kw["BLOCK_M"], kw["BLOCK_K"]])
+        c_arg = create_ragged_descriptor(out, [kw["BLOCK_M"], kw["BLOCK_N"]])
     mend, precision = dot_flags(a.dtype)
     device = a.device
 
@@ -582,7 +637,7 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
         return (min(tiles, _sm_count(device)),) if meta.get("PERSISTENT") else (tiles,)
 
     args = (
-        a, b, out, pre if pre is not None else out,
+        a_arg, b, c_arg, pre if pre is not None else out,
         probs_sorted if probs_sorted is not None else out,
         ds_partial if ds_partial is not None else out,
         plan.expert_token_indices, plan.expert_token_offsets,
@@ -594,40 +649,21 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
     constexprs = dict(
         EPILOGUE=epilogue, ACT=ACTIVATION_IDS[activation], GATHER_A=gather_a, STORE_PRE=store_pre,
         MEND_BF16=mend, PRECISION=precision, E_POW2=max(next_pow2(num_experts + 1), 16),
-        TMA_B=tma_weight, TRANS_B=tma_weight and transpose_weight,
+        TMA_B=tma_weight, TRANS_B=tma_weight and transpose_weight, TMA_ROWS=tma_rows,
     )
     _launch(_row_gemm_kernel, grid, args, constexprs, config)
 
 
-# torch._grouped_mm against the row-GEMM kernel (weight through TMA, persistent) on the H200
-# (scripts/tune_kernels.py, benchmarks/results/2026-11-29-h200-v9; ms, kernel vs grouped_mm): with
-# the weight read transposed (fc2) they tie at short reductions (7B-like K = 256: 0.406 vs 0.398,
-# qwen3-like K = 768: 1.356 vs 1.355) and the kernel wins from K = 2048 on (conf7 0.886 vs 0.993;
-# K = 4096: conf3 0.733 vs 0.723, conf5 0.732 vs 0.742; K = 8192: conf4 5.94 vs 6.54, conf6 2.86
-# vs 2.93); in the weight's own layout (dX) they tie at K = 512 and 1536 (7B-like 0.587 vs 0.586,
-# qwen3-like 2.392 vs 2.409) and the kernel wins from K = 4096 on (conf7 1.665 vs 1.852, conf5
-# 1.437 vs 1.464, conf3 1.426 vs 1.408, conf6 at K = 16384 5.73 vs 6.73).
-GROUPED_MM_MAX_K_UNTRANSPOSED = 2048
-GROUPED_MM_MAX_K_TRANSPOSED = 1024
-
-
-def grouped_mm_applies(a, weight, *, transpose_weight) -> bool:
-    """Whether ``expert_order_gemm`` runs through ``torch._grouped_mm`` (cuBLAS / CUTLASS grouped
-    GEMM): bfloat16 on a GPU of compute capability 9.0 or newer, operands with the 16-byte aligned
-    strides it needs, where it was measured faster."""
-    max_k = GROUPED_MM_MAX_K_TRANSPOSED if transpose_weight else GROUPED_MM_MAX_K_UNTRANSPOSED
-    return (a.is_cuda and a.dtype == weight.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and _tma_takes(a) and _tma_takes(weight) and a.shape[1] <= max_k)
-
-
+# fc2 and dX ran through torch._grouped_mm at short reductions until A and C went through ragged
+# TMA descriptors; since then the kernel ties or wins on every shape measured (H200,
+# scripts/tune_kernels.py, benchmarks/results/2026-11-30-h200-v11; ms, kernel vs grouped_mm):
+# 7B-like fc2 (K = 256, below TMA_ROWS_MIN_FLOPS: pointers) 0.406 vs 0.402, dX (K = 512) 0.541 vs
+# 0.586; qwen3-like fc2 (K = 768) 1.267 vs 1.350, dX (K = 1536) 2.313 vs 2.389; from K = 2048 on
+# the kernel won with pointers too (v9).
 def expert_order_gemm(a, weight, plan, *, transpose_weight, n):
     """``out[r] = A[r] @ B[e(r)]`` for A already in expert order (fc2 and dX: nothing to gather,
-    no epilogue); ``weight`` as in ``row_gemm``. Through ``torch._grouped_mm`` where
-    ``grouped_mm_applies``, the row-GEMM kernel elsewhere. Rows of unused slots (past the plan's
-    last offset) are left unwritten either way."""
-    if grouped_mm_applies(a, weight, transpose_weight=transpose_weight):
-        b = weight.transpose(1, 2) if transpose_weight else weight
-        return torch._grouped_mm(a, b, offs=plan.expert_token_offsets[1:])
+    no epilogue); ``weight`` as in ``row_gemm``. Rows of unused slots (past the plan's last
+    offset) are left unwritten."""
     out = a.new_empty(a.shape[0], n)
     row_gemm(a, weight, out, plan, transpose_weight=transpose_weight, gather_a=False, n=n)
     return out

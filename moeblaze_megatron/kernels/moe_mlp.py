@@ -1,8 +1,7 @@
 """The fused MoE expert MLP as an autograd Function over the Triton kernels.
 
 Forward: GEMM1 gathers x through the plan and applies the activation in its epilogue (saving the
-pre-activations unless recompute="fc1"); GEMM2 multiplies by fc2 in expert order (through
-torch._grouped_mm in bfloat16 on Hopper, as dX at short reductions: expert_order_gemm); the combine
+pre-activations unless recompute="fc1"); GEMM2 multiplies by fc2 in expert order; the combine
 kernel weights each slot by its router probability and sums a token's K rows (writing the
 probabilities in expert order for backward on the way).
 Backward: dH = gathered dY @ fc2 with the activation backward, the probability scaling and the
