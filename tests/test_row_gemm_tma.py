@@ -72,6 +72,22 @@ def test_rows_through_descriptors_give_the_pointer_bits(case, persistent, activa
         assert got[used:].isnan().all()  # unused slots' rows are not written
 
 
+def test_rows_through_descriptors_leave_an_outputs_columns_past_n_alone():
+    # The pointer form masks the columns past n of a wider output; the descriptor must stop there too.
+    gen = torch.Generator().manual_seed(21)
+    T, E, k, n = 30, 3, 24, 40  # n not a multiple of the 16-wide tile
+    plan = build_routing_plan(make_topk_ids("unused", T, E, 1, gen), E)
+    a, w = torch.randn(T, k, generator=gen), torch.randn(E, n, k, generator=gen)
+    outs = []
+    for tma in (False, True):
+        out = torch.full((T, n + 24), float("nan"))
+        eg.row_gemm(a, w, out, plan, transpose_weight=True, gather_a=False, n=n, config=CONFIG, tma_rows=tma)
+        outs.append(out)
+    used = int(plan.expert_token_offsets[-1])
+    assert torch.equal(outs[1][:used, :n], outs[0][:used, :n]) and not outs[1][:used, :n].isnan().any()
+    assert outs[1][:, n:].isnan().all() and outs[1][used:].isnan().all()
+
+
 @pytest.mark.parametrize("why", ["activation_forward", "gathered_a", "no_rows", "misaligned_out", "strided_a"])
 def test_tma_rows_refuses_what_a_descriptor_cannot_take(why):
     T, E, d, n = 0 if why == "no_rows" else 6, 2, 16, 16

@@ -613,8 +613,10 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
         stride_bk, stride_bn = weight.stride(2), weight.stride(1)
     else:
         stride_bk, stride_bn = weight.stride(1), weight.stride(2)
+    # The descriptor's bounds stand in for the column mask: only the n columns the kernel writes.
+    c_rows = out[:, :n]
     rows_take = (epilogue == EPI_STORE and not gather_a and rows_total > 0
-                 and _ragged_tma_takes(a, rows_total) and _ragged_tma_takes(out, rows_total))
+                 and _ragged_tma_takes(a, rows_total) and _ragged_tma_takes(c_rows, rows_total))
     if tma_rows is None:
         tma_rows = rows_take and 2 * rows_total * n * k_dim >= TMA_ROWS_MIN_FLOPS
     elif tma_rows and not rows_take:
@@ -628,7 +630,7 @@ def row_gemm(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, acti
         # The boxes are the first config's tiles; the configs' pre-hook resizes them to each one's.
         kw = (config or _row_gemm_kernel.configs[0]).kwargs
         a_arg = create_ragged_descriptor(a, [kw["BLOCK_M"], kw["BLOCK_K"]])
-        c_arg = create_ragged_descriptor(out, [kw["BLOCK_M"], kw["BLOCK_N"]])
+        c_arg = create_ragged_descriptor(c_rows, [kw["BLOCK_M"], kw["BLOCK_N"]])
     mend, precision = dot_flags(a.dtype)
     device = a.device
 
