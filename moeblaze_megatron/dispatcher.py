@@ -15,7 +15,7 @@ nothing left to do.
 
 * EP = 1: N = T, the rows are the layer's own hidden states (a view, no copy).
 * EP > 1: each token travels once to every rank holding one of its experts
-  (``expert_parallel.TokenExchange``); the N received rows carry their local expert ids and
+  (``parallel.alltoall.TokenExchange``); the N received rows carry their local expert ids and
   probabilities, the partial outputs travel back and are summed per token in rank order.
 """
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from .expert_parallel import plan_token_exchange
-from .megatron_plugin import get_moeblaze_config
+from .config import expert_tp_problem, get_moeblaze_config
+from .parallel.alltoall import plan_token_exchange
 from .routing import RoutingPlan, build_routing_plan
 
 __all__ = ["ExpertRouting", "MoEBlazeTokenDispatcher", "routing_map_to_topk"]
@@ -84,10 +84,9 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
-        if self.tp_size != 1:
-            raise ValueError(
-                f"MoEBlazeTokenDispatcher needs expert_tensor_parallel_size=1, got {self.tp_size}"
-            )
+        problem = expert_tp_problem(self.tp_size)
+        if problem is not None:
+            raise ValueError(f"MoEBlazeTokenDispatcher: {problem}")
         if num_local_experts < 1 or len(local_expert_indices) != num_local_experts:
             raise ValueError(
                 f"num_local_experts={num_local_experts} must be positive and match "

@@ -26,26 +26,25 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_object_for_checkpoint
 
+from .config import activation_name, expert_bias_problem, expert_tp_problem, get_moeblaze_config
 from .dispatcher import ExpertRouting
-from .megatron_plugin import get_moeblaze_config
 from .moe_mlp import moe_mlp
 
-__all__ = ["MoEBlazeGroupedMLP", "expert_activation"]
+__all__ = ["MoEBlazeGroupedMLP", "activation_of_config", "expert_activation"]
 
 _FC_NAMES = (("weight1", "linear_fc1"), ("weight2", "linear_fc2"))
 
 
+def activation_of_config(config) -> tuple[bool, str]:
+    """(gated, the activation function's name) of a TransformerConfig."""
+    func = config.activation_func
+    name = {F.silu: "silu", F.gelu: "gelu"}.get(func, getattr(func, "__name__", repr(func)))
+    return bool(config.gated_linear_unit), name
+
+
 def expert_activation(config) -> str:
     """``moe_mlp``'s activation for a TransformerConfig: 'swiglu', 'silu' or 'gelu'."""
-    if config.activation_func is F.silu:
-        return "swiglu" if config.gated_linear_unit else "silu"
-    if config.activation_func is F.gelu and not config.gated_linear_unit:
-        return "gelu"
-    raise ValueError(
-        f"MoEBlaze experts support SwiGLU (gated_linear_unit=True, activation_func=F.silu), SiLU "
-        f"and GeLU; got activation_func={getattr(config.activation_func, '__name__', config.activation_func)}, "
-        f"gated_linear_unit={config.gated_linear_unit}"
-    )
+    return activation_name(*activation_of_config(config))
 
 
 class MoEBlazeGroupedMLP(MegatronModule):
@@ -63,12 +62,9 @@ class MoEBlazeGroupedMLP(MegatronModule):
         self.ep_group = pg_collection.ep
         self.tp_group = pg_collection.expt_tp
         self.dp_group = pg_collection.expt_dp
-        if self.tp_group.size() != 1:
-            raise ValueError(
-                f"MoEBlazeGroupedMLP needs expert_tensor_parallel_size=1, got {self.tp_group.size()}"
-            )
-        if config.add_bias_linear:
-            raise ValueError("MoEBlazeGroupedMLP has no bias; set add_bias_linear=False (--disable-bias-linear)")
+        for problem in (expert_tp_problem(self.tp_group.size()), expert_bias_problem(config.add_bias_linear)):
+            if problem is not None:
+                raise ValueError(f"MoEBlazeGroupedMLP: {problem}")
         self.activation = expert_activation(config)
         options = get_moeblaze_config(config)
         self.recompute = options.recompute
@@ -212,25 +208,3 @@ def _load_stock_layouts(module, state_dict, prefix, local_metadata, strict, miss
             if all(k in state_dict for k in keys):
                 state_dict[prefix + param_name] = torch.stack([state_dict.pop(k) for k in keys])
                 break
-
-
-def sequential_named_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The gradients of ``module``'s parameters under their state-dict names, each
-    MoEBlazeGroupedMLP's stacked expert gradients split into SequentialMLP's
-    ``local_experts.{i}.linear_fc{1,2}.weight`` entries: the form in which they compare with a
-    stock model's. Parameters without a gradient are left out."""
-    grads = {}
-    for mod_name, mod in module.named_modules():
-        prefix = f"{mod_name}." if mod_name else ""
-        if isinstance(mod, MoEBlazeGroupedMLP):
-            for param_name, fc in (("weight1", "linear_fc1"), ("weight2", "linear_fc2")):
-                grad = getattr(mod, param_name).grad
-                if grad is not None:
-                    for i in range(mod.num_local_experts):
-                        grads[f"{prefix}local_experts.{i}.{fc}.weight"] = grad[i]
-            continue
-        for name, param in mod.named_parameters(recurse=False):
-            if param.grad is not None:
-                grads[f"{prefix}{name}"] = param.grad
-    return grads
-

@@ -5,13 +5,14 @@ use ``MoEBlazeTokenDispatcher`` and ``MoEBlazeGroupedMLP``, whatever spec builde
 (``get_gpt_layer_local_spec``, ``get_gpt_decoder_block_spec``, the Transformer Engine spec);
 layers of any other dispatcher type are built by Megatron untouched.
 
-Plugin options live in a ``MoEBlazeConfig`` attached to the ``TransformerConfig`` as its
-``moeblaze`` attribute (``set_moeblaze_config``); a config without one uses the defaults. From the
-command line, ``moeblaze_extra_args_provider()`` adds the ``--moeblaze-*`` flags and
+Plugin options live in a ``config.MoEBlazeConfig`` attached to the ``TransformerConfig`` as its
+``moeblaze`` attribute (``config.set_moeblaze_config``); a config without one uses the defaults.
+From the command line, ``moeblaze_extra_args_provider()`` adds the ``--moeblaze-*`` flags and
 ``transformer_config_from_args(args)`` builds the TransformerConfig with the options attached.
 
 Options MoEBlaze does not support are refused when the layer is built (and, through the
-argument parser, before training starts) with a message naming the option and what to do instead.
+argument parser, before training starts, as a plain argument error) with a message naming the
+option and what to do instead.
 """
 
 from __future__ import annotations
@@ -20,75 +21,35 @@ import argparse
 import dataclasses
 import functools
 import inspect
-from dataclasses import dataclass
 
-import torch.nn.functional as F
-
-from .reference import RECOMPUTE_MODES
-from .routing import ROUTING_METHODS
+from .config import (
+    BACKENDS,
+    RECOMPUTE_MODES,
+    ROUTING_METHODS,
+    MoEBlazeConfig,
+    activation_problem,
+    expert_bias_problem,
+    expert_tp_problem,
+    get_moeblaze_config,
+    set_moeblaze_config,
+)
+from .dispatcher import MoEBlazeTokenDispatcher
+from .experts import MoEBlazeGroupedMLP, activation_of_config
 
 __all__ = [
     "MOEBLAZE",
-    "MoEBlazeConfig",
     "add_moeblaze_args",
     "check_moeblaze_args",
     "check_moeblaze_config",
-    "get_moeblaze_config",
     "install",
     "is_installed",
     "moeblaze_config_from_args",
     "moeblaze_extra_args_provider",
-    "set_moeblaze_config",
     "transformer_config_from_args",
     "uninstall",
 ]
 
 MOEBLAZE = "moeblaze"
-BACKENDS = ("auto", "triton", "reference")
-
-
-@dataclass(frozen=True)
-class MoEBlazeConfig:
-    """The plugin's own options (the ``--moeblaze-*`` flags).
-
-    recompute: ``"activation"`` keeps the expert pre-activations for backward; ``"fc1"`` keeps only
-        the layer input and recomputes the first expert GEMM in backward (less memory, a third
-        more forward FLOPs in backward).
-    routing_method: how the routing plan is built (``moe_mlp``'s ``build_routing_plan`` methods).
-    backend: the expert MLP implementation: ``"auto"`` (fused Triton kernels on CUDA, the PyTorch
-        reference elsewhere), ``"triton"`` or ``"reference"``.
-    """
-
-    recompute: str = "activation"
-    routing_method: str = "auto"
-    backend: str = "auto"
-
-    def __post_init__(self):
-        for name, allowed in (
-            ("recompute", RECOMPUTE_MODES),
-            ("routing_method", ROUTING_METHODS),
-            ("backend", BACKENDS),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"MoEBlazeConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-
-
-def get_moeblaze_config(config) -> MoEBlazeConfig:
-    """The MoEBlazeConfig attached to a TransformerConfig, or the defaults."""
-    options = getattr(config, "moeblaze", None)
-    if options is None:
-        return MoEBlazeConfig()
-    if not isinstance(options, MoEBlazeConfig):
-        raise TypeError(f"config.moeblaze must be a MoEBlazeConfig, got {type(options).__name__}")
-    return options
-
-
-def set_moeblaze_config(config, options: MoEBlazeConfig):
-    """Attach ``options`` to a TransformerConfig (kept by ``copy.deepcopy``); returns ``config``."""
-    if not isinstance(options, MoEBlazeConfig):
-        raise TypeError(f"options must be a MoEBlazeConfig, got {type(options).__name__}")
-    config.moeblaze = options
-    return config
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,7 +86,12 @@ def add_moeblaze_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     def parse_and_check(args=None, namespace=None):
         parsed, extras = parse_known_args(args, namespace)
         if getattr(parsed, "moe_token_dispatcher_type", None) == MOEBLAZE:
-            check_moeblaze_args(parsed)
+            try:
+                check_moeblaze_args(parsed)
+            except ValueError as error:
+                # An argument error, as argparse gives one: the message, exit code 2, no traceback
+                # (and not Megatron's whole usage text either).
+                parser.exit(2, f"{parser.prog}: error: {error}\n")
         return parsed, extras
 
     parser.parse_known_args = parse_and_check
@@ -166,12 +132,6 @@ def transformer_config_from_args(args, config_class=None):
 # What MoEBlaze refuses
 
 
-def _activation_of_config(config) -> tuple[bool, str]:
-    func = config.activation_func
-    name = {F.silu: "silu", F.gelu: "gelu"}.get(func, getattr(func, "__name__", repr(func)))
-    return bool(config.gated_linear_unit), name
-
-
 def _activation_of_args(args) -> tuple[bool, str]:
     if getattr(args, "swiglu", False):
         return True, "silu"
@@ -192,6 +152,10 @@ def _problems(get, gated: bool, activation: str) -> list[str]:
         if condition:
             problems.append(message)
 
+    def add(problem: str | None):
+        if problem is not None:
+            problems.append(problem)
+
     refuse(get("fp8"), "fp8 (--fp8-format): MoEBlaze experts compute in bf16/fp16/fp32; drop fp8")
     refuse(get("fp4"), "fp4 (--fp4-format): MoEBlaze experts compute in bf16/fp16/fp32; drop fp4")
     refuse(get("use_kitchen"), "use_kitchen (quantized linear layers): not supported by MoEBlaze experts")
@@ -200,12 +164,7 @@ def _problems(get, gated: bool, activation: str) -> list[str]:
         "moe_router_padding_for_quantization: only meaningful with fp8/fp4; drop it",
     )
     etp = get("expert_tensor_parallel_size") or get("tensor_model_parallel_size") or 1
-    refuse(
-        etp > 1,
-        f"expert_tensor_parallel_size={etp}: MoEBlaze experts are not tensor-parallel; set "
-        "--expert-tensor-parallel-size 1 (attention tensor parallelism with --sequence-parallel "
-        "works, and --expert-model-parallel-size spreads the experts)",
-    )
+    add(expert_tp_problem(etp))
     refuse(
         get("moe_pad_expert_input_to_capacity"),
         "moe_pad_expert_input_to_capacity: MoEBlaze never pads expert inputs; drop "
@@ -248,22 +207,8 @@ def _problems(get, gated: bool, activation: str) -> list[str]:
         get("moe_mlp_glu_interleave_size"),
         "moe_mlp_glu_interleave_size: MoEBlaze expects Megatron's [gate | up] fc1 layout; drop it",
     )
-    refuse(
-        get("add_bias_linear"),
-        "add_bias_linear=True: MoEBlaze experts have no bias; set add_bias_linear=False "
-        "(--disable-bias-linear)",
-    )
-    if gated:
-        refuse(
-            activation != "silu",
-            f"gated activation with {activation}: MoEBlaze supports SwiGLU (--swiglu), SiLU and "
-            "GeLU experts",
-        )
-    else:
-        refuse(
-            activation not in ("silu", "gelu"),
-            f"activation {activation}: MoEBlaze supports SwiGLU (--swiglu), SiLU and GeLU experts",
-        )
+    add(expert_bias_problem(bool(get("add_bias_linear"))))
+    add(activation_problem(gated, activation))
     refuse(
         get("activation_func_clamp_value") is not None,
         "activation_func_clamp_value: not supported by MoEBlaze experts; drop it",
@@ -300,7 +245,7 @@ def _raise_if_problems(problems: list[str]) -> None:
 
 def check_moeblaze_config(config) -> None:
     """Raise ValueError naming every option of ``config`` (a TransformerConfig) MoEBlaze refuses."""
-    gated, activation = _activation_of_config(config)
+    gated, activation = activation_of_config(config)
     _raise_if_problems(_problems(lambda name: getattr(config, name, None), gated, activation))
     get_moeblaze_config(config)
 
@@ -380,8 +325,6 @@ def uninstall() -> None:
 def _init_moeblaze_layer(original_init, bound: inspect.BoundArguments) -> None:
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-    from .dispatcher import MoEBlazeTokenDispatcher
-
     layer = bound.arguments["self"]
     config = bound.arguments["config"]
     check_moeblaze_config(config)
@@ -409,8 +352,6 @@ def _init_moeblaze_layer(original_init, bound: inspect.BoundArguments) -> None:
 def _moeblaze_experts_builder(builder):
     """MoEBlazeGroupedMLP in place of Megatron's stock experts (SequentialMLP, TEGroupedMLP)."""
     from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
-
-    from .experts import MoEBlazeGroupedMLP
 
     target = builder
     while isinstance(target, functools.partial):

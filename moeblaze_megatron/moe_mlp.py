@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .reference import ACTIVATIONS, RECOMPUTE_MODES, ReferenceMoEMLP
+from .config import ACTIVATIONS, BACKENDS, RECOMPUTE_MODES
+from .kernels.knobs import KNOBS
+from .reference import ReferenceMoEMLP
 from .routing import RoutingPlan, build_routing_plan, check_topk_ids
 
-BACKENDS = ("auto", "triton", "reference")
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -56,7 +55,7 @@ def moe_mlp(
     if backend == "auto":
         backend = "triton" if x.is_cuda and x.dtype in TRITON_DTYPES else "reference"
     if backend == "triton":
-        from .kernels.moe_mlp import TritonMoEMLP
+        from .fused import TritonMoEMLP  # imports Triton: only when the kernels run
 
         return TritonMoEMLP.apply(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute)
     return ReferenceMoEMLP.apply(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute)
@@ -129,6 +128,6 @@ def check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activati
             f"backend='triton' takes float16, bfloat16 or float32 tensors, got x of {x.dtype}; "
             f"use backend='reference' (what 'auto' picks for {x.dtype})"
         )
-    if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and not x.is_cuda and not KNOBS.interpret:
         raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     return num_experts

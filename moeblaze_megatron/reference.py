@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("swiglu", "silu", "gelu")
-RECOMPUTE_MODES = ("activation", "fc1")
+from .routing import RoutingPlan
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -50,17 +49,19 @@ def activation_backward(pre: torch.Tensor, grad_h: torch.Tensor, activation: str
     return grad_h * (cdf + pre * pdf)
 
 
-def combine_rows(rows: torch.Tensor, token_index_map: torch.Tensor, probs=None, out_dtype=None):
-    """out[t] = sum_k probs[t, k] * rows[token_index_map[t, k]] over used slots, in k order."""
-    num_tokens, topk = token_index_map.shape
+def sum_slots(rows: torch.Tensor, slot: torch.Tensor, probs=None, out_dtype=None) -> torch.Tensor:
+    """``out[t] = sum_j probs[t, j] * rows[slot[t, j]]`` over the slots >= 0, j ascending, in compute
+    precision: the combine kernel's reference (a token's K expert rows through ``token_index_map``)
+    and the expert-parallel per-token sum (a token's partials from each rank, in rank order)."""
     acc = compute_dtype(rows.dtype)
-    out = torch.zeros(num_tokens, rows.shape[1], dtype=acc, device=rows.device)
-    for k in range(topk):
-        pos = token_index_map[:, k].long()
-        used = (pos >= 0)[:, None]
-        # where, not a multiply: an unused slot must not pick up a non-finite row 0.
-        part = torch.where(used, rows[pos.clamp(min=0)].to(acc), 0)
-        out += part if probs is None else part * probs[:, k, None].to(acc)
+    out = torch.zeros((slot.shape[0], *rows.shape[1:]), dtype=acc, device=rows.device)
+    if rows.shape[0] > 0:
+        for j in range(slot.shape[1]):
+            pos = slot[:, j].long()
+            used = (pos >= 0).view(-1, *([1] * (rows.dim() - 1)))
+            # where, not a multiply: an unused slot must not pick up a non-finite row 0.
+            part = torch.where(used, rows[pos.clamp(min=0)].to(acc), 0)
+            out += part if probs is None else part * probs[:, j, None].to(acc)
     return out.to(out_dtype or rows.dtype)
 
 
@@ -69,52 +70,63 @@ def _expert_ranges(offsets: torch.Tensor):
     return [(e, s, t) for e, (s, t) in enumerate(zip(bounds[:-1], bounds[1:])) if t > s]
 
 
+def reference_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation, *, save_pre, out_dtype=None):
+    """The forward pass: ``(y, pre)``, ``pre`` (the pre-activations in expert order) only with
+    ``save_pre``; ``y`` in ``out_dtype`` (x's by default)."""
+    rows_total = plan.expert_token_indices.shape[0]
+    width = fc1_weight.shape[1]
+    pre_all = x.new_empty(rows_total, width) if save_pre else None
+    out_rows = x.new_empty(rows_total, x.shape[1])
+    for e, s, t in _expert_ranges(plan.expert_token_offsets):
+        pre = x[plan.expert_token_indices[s:t].long()] @ fc1_weight[e].t()
+        if save_pre:
+            pre_all[s:t] = pre
+        out_rows[s:t] = activation_forward(pre, activation).to(x.dtype) @ fc2_weight[e].t()
+    y = sum_slots(out_rows, plan.token_index_map, topk_probs, out_dtype=out_dtype or x.dtype)
+    return y, pre_all
+
+
+def reference_backward(grad_y, x, topk_probs, fc1_weight, fc2_weight, plan, activation, pre_all):
+    """The backward pass: ``(grad_x, grad_probs, grad_fc1, grad_fc2)``; ``pre_all`` the saved
+    pre-activations, or None to recompute them."""
+    grad_y = grad_y.contiguous()
+    probs_sorted = plan.permute_probs(topk_probs)
+    rows_total = plan.expert_token_indices.shape[0]
+    grad_x_rows = x.new_empty(rows_total, x.shape[1])
+    acc = compute_dtype(x.dtype)
+    grad_probs_sorted = torch.empty(rows_total, dtype=acc, device=x.device)
+    grad_fc1 = torch.zeros_like(fc1_weight)
+    grad_fc2 = torch.zeros_like(fc2_weight)
+    for e, s, t in _expert_ranges(plan.expert_token_offsets):
+        tokens = plan.expert_token_indices[s:t].long()
+        x_e = x[tokens]
+        grad_y_e = grad_y[tokens]
+        pre = pre_all[s:t] if pre_all is not None else x_e @ fc1_weight[e].t()
+        h = activation_forward(pre, activation)
+        grad_h_unscaled = (grad_y_e @ fc2_weight[e]).to(acc)
+        grad_probs_sorted[s:t] = (grad_h_unscaled * h).sum(dim=1)
+        p = probs_sorted[s:t, None].to(acc)
+        grad_fc2[e] = (grad_y_e.t() @ (h * p).to(x.dtype)).to(grad_fc2.dtype)
+        grad_pre = activation_backward(pre, grad_h_unscaled * p, activation).to(x.dtype)
+        grad_fc1[e] = (grad_pre.t() @ x_e).to(grad_fc1.dtype)
+        grad_x_rows[s:t] = grad_pre @ fc1_weight[e]
+    grad_x = sum_slots(grad_x_rows, plan.token_index_map, out_dtype=x.dtype)
+    grad_probs = plan.unpermute_rows(grad_probs_sorted).to(topk_probs.dtype)
+    return grad_x, grad_probs, grad_fc1, grad_fc2
+
+
 class ReferenceMoEMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute):
-        rows_total = plan.expert_token_indices.shape[0]
-        width = fc1_weight.shape[1]
-        save_pre = recompute == "activation"
-        pre_all = x.new_empty(rows_total, width) if save_pre else None
-        out_rows = x.new_empty(rows_total, x.shape[1])
-        for e, s, t in _expert_ranges(plan.expert_token_offsets):
-            pre = x[plan.expert_token_indices[s:t].long()] @ fc1_weight[e].t()
-            if save_pre:
-                pre_all[s:t] = pre
-            out_rows[s:t] = activation_forward(pre, activation).to(x.dtype) @ fc2_weight[e].t()
-        y = combine_rows(out_rows, plan.token_index_map, topk_probs, out_dtype=x.dtype)
-        ctx.save_for_backward(x, topk_probs, fc1_weight, fc2_weight, pre_all, *plan._tensors())
+        y, pre_all = reference_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation,
+                                       save_pre=recompute == "activation")
+        ctx.save_for_backward(x, topk_probs, fc1_weight, fc2_weight, pre_all, *plan.tensors())
         ctx.activation = activation
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        from .routing import RoutingPlan
-
         x, topk_probs, fc1_weight, fc2_weight, pre_all, *plan_tensors = ctx.saved_tensors
-        plan = RoutingPlan(*plan_tensors)
-        act = ctx.activation
-        grad_y = grad_y.contiguous()
-        probs_sorted = plan.permute_probs(topk_probs)
-        rows_total = plan.expert_token_indices.shape[0]
-        grad_x_rows = x.new_empty(rows_total, x.shape[1])
-        acc = compute_dtype(x.dtype)
-        grad_probs_sorted = torch.empty(rows_total, dtype=acc, device=x.device)
-        grad_fc1 = torch.zeros_like(fc1_weight)
-        grad_fc2 = torch.zeros_like(fc2_weight)
-        for e, s, t in _expert_ranges(plan.expert_token_offsets):
-            tokens = plan.expert_token_indices[s:t].long()
-            x_e = x[tokens]
-            grad_y_e = grad_y[tokens]
-            pre = pre_all[s:t] if pre_all is not None else x_e @ fc1_weight[e].t()
-            h = activation_forward(pre, act)
-            grad_h_unscaled = (grad_y_e @ fc2_weight[e]).to(acc)
-            grad_probs_sorted[s:t] = (grad_h_unscaled * h).sum(dim=1)
-            p = probs_sorted[s:t, None].to(acc)
-            grad_fc2[e] = (grad_y_e.t() @ (h * p).to(x.dtype)).to(grad_fc2.dtype)
-            grad_pre = activation_backward(pre, grad_h_unscaled * p, act).to(x.dtype)
-            grad_fc1[e] = (grad_pre.t() @ x_e).to(grad_fc1.dtype)
-            grad_x_rows[s:t] = grad_pre @ fc1_weight[e]
-        grad_x = combine_rows(grad_x_rows, plan.token_index_map, out_dtype=x.dtype)
-        grad_probs = plan.unpermute_rows(grad_probs_sorted).to(topk_probs.dtype)
-        return grad_x, grad_probs, grad_fc1, grad_fc2, None, None, None
+        grads = reference_backward(grad_y, x, topk_probs, fc1_weight, fc2_weight, RoutingPlan(*plan_tensors),
+                                   ctx.activation, pre_all)
+        return (*grads, None, None, None)

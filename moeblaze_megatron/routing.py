@@ -24,22 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ROUTING_METHODS", "RoutingPlan", "build_routing_plan", "check_topk_ids"]
+from .config import ROUTING_METHODS
 
-ROUTING_METHODS = ("auto", "three_step", "sort", "torch")
+__all__ = ["RoutingPlan", "build_routing_plan", "check_topk_ids"]
 
-# Which build "auto" runs on the GPU: the one with the lower predicted GPU time. GPU time is what the
-# build costs in training (the host enqueues ahead of the GPU). Least squares on relative error over
-# the CUDA-graph times (graph_ms) of benchmarks/results/2026-11-29-h200-v3/bench_routing.json (H200,
-# 140 shapes: T 4K-1M, E 8-512, K 1-8), in ms, with cells = T*E / 1e6 and slots = T*K / 1e6:
-#   three_step ~= 0.0147 + 0.00453 * cells + 0.00627 * slots (launch floor; the dense (E, T) int8
-#     map written and scanned; the ids read once per expert block);
-#   sort ~= 0.0282 + 0.0333 * slots (fitted on E <= 128), + 0.012 where E > 255 (16-bit keys
-#     instead of 8-bit; median of E = 256 and 512 against E = 128 at the same T and K).
-# On those 140 shapes the pick is within 5% of min(three_step, sort) on 138; worst 1.22x at T = 16K,
-# E = 32, K = 4 (its three-launch sample, 0.039 ms, is an outlier: the same path timed 0.018 ms in
-# the run's three_step column), then 1.11x at T = 64K, E = 64, K = 1 (sort 0.032 ms picked against
-# 0.028). The former rule (T*E <= 2^25 or E <= 4K) was within 5% on 108, worst 4.09x.
+# The cost model behind "auto" on the GPU (ms, cells = T*E / 1e6, slots = T*K / 1e6): a least-squares
+# fit to measured CUDA-graph times of both builds (benchmarks/NOTES.md has the fit and its errors).
 THREE_STEP_BASE_MS = 0.0147
 THREE_STEP_MS_PER_M_CELLS = 0.00453
 THREE_STEP_MS_PER_M_SLOTS = 0.00627
@@ -94,9 +84,10 @@ class RoutingPlan:
         return torch.where(used, rows[pos.clamp(min=0)], 0)
 
     def to(self, device) -> RoutingPlan:
-        return RoutingPlan(*(t.to(device) for t in self._tensors()))
+        return RoutingPlan(*(t.to(device) for t in self.tensors()))
 
-    def _tensors(self):
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The four index maps, in field order (how autograd saves a plan)."""
         return (
             self.expert_token_indices,
             self.expert_token_offsets,
@@ -107,7 +98,7 @@ class RoutingPlan:
     def __eq__(self, other) -> bool:
         return isinstance(other, RoutingPlan) and all(
             a.shape == b.shape and bool(torch.equal(a.cpu().long(), b.cpu().long()))
-            for a, b in zip(self._tensors(), other._tensors())
+            for a, b in zip(self.tensors(), other.tensors())
         )
 
     __hash__ = None
@@ -175,11 +166,11 @@ def build_routing_plan(
     if method == "auto":
         method = choose_routing_method(topk_ids, num_experts)
     if method == "three_step":
-        from .kernels.routing import three_step_routing_plan
+        from .kernels.plan_three_step import three_step_routing_plan
 
         return RoutingPlan(*three_step_routing_plan(topk_ids, num_experts))
     if method == "sort":
-        from .kernels.sort_plan import sort_routing_plan
+        from .kernels.plan_sort import sort_routing_plan
 
         return RoutingPlan(*sort_routing_plan(topk_ids, num_experts))
     return torch_routing_plan(topk_ids, num_experts)
@@ -196,8 +187,8 @@ def choose_routing_method(topk_ids: torch.Tensor, num_experts: int) -> str:
 def gpu_routing_method(num_tokens: int, num_experts: int, topk: int) -> str:
     """The three-step build where its predicted GPU time is at most the sort's and topk is within
     its MAX_TOPK; the sort otherwise (cost model above)."""
-    from .kernels.routing import MAX_TOPK
-    from .kernels.sort_plan import sort_key_dtype
+    from .kernels.plan_three_step import MAX_TOPK
+    from .kernels.plan_sort import sort_key_dtype
 
     if topk > MAX_TOPK:
         return "sort"

@@ -15,12 +15,8 @@ import argparse
 import sys
 import time
 import warnings
-from pathlib import Path
 
-# Runs from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moeblaze_megatron.data import build_byte_dataset, dataset_exists, stdlib_source_files  # noqa: E402
+from moeblaze_megatron.training.corpus import build_byte_dataset, dataset_exists, stdlib_source_files
 
 # Importing Megatron-Core warns about every optional accelerator library it does not find.
 warnings.filterwarnings("ignore", category=UserWarning, module="megatron")

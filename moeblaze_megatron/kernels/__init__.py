@@ -1,2 +1,7 @@
-"""Triton kernels. Each module holds a kernel, its launcher and (where it has one) its autograd
-Function; the pure-PyTorch reference of each lives beside the public op it serves."""
+"""Triton kernels and their launchers; nothing here imports the rest of the package.
+
+plan_three_step, plan_sort: the routing-plan builds; row_gemm, weight_grad: the expert GEMMs;
+combine: the per-token reduction; configs: tiles, pruning, what TMA can take; launch: direct
+launches; numerics: the interpreter's bf16 mends; knobs: environment knobs, read once; tuning:
+fixed-config launches and the autotuner's picks (benchmarks and tests only).
+"""

@@ -1,8 +1,8 @@
 """Kernel launches with Triton's per-call host work done once per argument signature.
 
-A Triton launch costs the host far more than the GPU needs to start a kernel: on the H200
-machine an fc1 launch through the autotuner took ~180 us and the same compiled kernel called
-directly 9 us (scripts/host_overhead.py). Where the GPU is idle (a layer's first launches, small
+A Triton launch costs the host far more than the GPU needs to start a kernel (an autotuned launch
+takes about twenty times a direct call's host time: scripts/host_overhead.py, benchmarks/NOTES.md).
+Where the GPU is idle (a layer's first launches, small
 shapes) the GPU waits on that host time. ``launch`` runs the first launch of every argument
 signature through Triton as usual (autotuning, compiling) and keeps what it resolved: the compiled
 kernel, the config and the constexpr values. Later launches with the same signature call the
@@ -13,19 +13,23 @@ The signature is everything Triton specializes a compiled kernel on, and more: e
 dtype and 16-byte alignment, each integer by value, each TMA descriptor's dtype, alignment, shape,
 strides and box, and the constexprs. Launches take Triton's path under the interpreter, while
 Triton launch hooks are set (a profiler's, which the direct call would skip) and with
-MOEBLAZE_DIRECT_LAUNCH=0.
+MOEBLAZE_DIRECT_LAUNCH=0 (``KNOBS.direct_launch``).
+
+A launcher that benchmarks also run with one fixed config builds a ``KernelCall`` (kernel, grid,
+arguments, constexprs) and hands it to ``launch_call``; ``tuning.run_with_config`` runs the same
+call with a config of its choosing.
 """
 
 from __future__ import annotations
 
-import os
+from typing import NamedTuple
 
 import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .numerics import interpreting
+from .knobs import KNOBS
 
 # Signatures past this count start a fresh cache (shapes that change every step, as token counts
 # under expert parallelism can, would otherwise grow it without bound).
@@ -51,15 +55,6 @@ def _arg_key(arg):
         return (arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.shape), tuple(arg.strides),
                 tuple(arg.block_shape), arg.padding)
     return type(arg), arg
-
-
-def direct_launches() -> bool:
-    """MOEBLAZE_DIRECT_LAUNCH=0 sends every launch through Triton's own launch path (the same
-    kernels and results, ~50-100 us more host time per launch)."""
-    value = os.environ.get("MOEBLAZE_DIRECT_LAUNCH", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"MOEBLAZE_DIRECT_LAUNCH must be 0 or 1, got {value!r}")
-    return value == "1"
 
 
 def _hooks_set() -> bool:
@@ -92,16 +87,30 @@ class _Entry:
         # callable one sees the constexprs and the config's values (not the arguments).
         grid = grid(self.kwargs) if callable(grid) else grid
         grid = (*grid, 1, 1)
-        # What Triton's launch takes the stream from (torch.cuda.current_stream() costs ~5 us more).
+        # What Triton's launch takes the stream from (torch.cuda.current_stream() costs more host time).
         stream = torch._C._cuda_getCurrentRawStream(device)
         self.run(grid[0], grid[1], grid[2], stream, self.function, self.metadata, None, None, None, *args, *self.tail)
+
+
+class KernelCall(NamedTuple):
+    """One launch, described: ``kernel[grid](*args, **constexprs)``."""
+
+    kernel: object
+    grid: object
+    args: tuple
+    constexprs: dict
+
+
+def launch_call(call: KernelCall) -> None:
+    """``launch`` of a described call."""
+    launch(*call)
 
 
 def launch(kernel, grid, args, constexprs):
     """``kernel[grid](*args, **constexprs)`` for a ``triton.jit`` kernel or a ``triton.autotune``
     of one; ``args`` are the leading parameters, positional; ``constexprs`` by name; ``grid`` a
     tuple or a function of the constexprs and the config's values (``meta["BLOCK_M"]``)."""
-    if interpreting() or not direct_launches() or _hooks_set():
+    if KNOBS.interpret or not KNOBS.direct_launch or _hooks_set():
         kernel[grid](*args, **constexprs)
         return
     device = torch.cuda.current_device()

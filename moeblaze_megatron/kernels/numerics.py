@@ -1,36 +1,39 @@
-"""Numerics shared by the kernels, with the Triton interpreter's two bfloat16 traps mended.
+"""Numerics shared by the kernels, with the Triton interpreter's traps mended.
 
 Under TRITON_INTERPRET=1 (how the CPU suite runs the kernels) ``tl.dot`` on bfloat16 operands
-returns garbage and a float32 -> bfloat16 cast truncates instead of rounding to nearest even.
-``dot`` upcasts the operands and ``to_storage`` rounds by hand there, so the interpreter computes
-what the GPU computes; on the GPU both are the plain operations.
+returns garbage, a float32 -> bfloat16 cast truncates instead of rounding to nearest even, and
+``tl.dot`` is numpy's matmul, whose float32 sums (OpenBLAS) follow an order that depends on the
+block's shape (numpy 2.5: a [16, 16] @ [16, 32] product's first 16 columns differ in the last bit
+from [16, 16] @ [16, 16]'s), where the GPU reduces every tile in the same k order. There ``dot``
+forms each block's product in float64 (exact products, an order-free sum to float32 rounding) and
+``to_storage`` rounds by hand, so the interpreter's bits do not depend on tile shapes, as the
+GPU's do not; on the GPU both are the plain operations.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+from .knobs import KNOBS
 
 
 def dot_flags(dtype: torch.dtype):
     """(MEND_BF16, PRECISION) constexprs for a kernel whose operands have ``dtype``."""
-    mend = interpreting() and dtype == torch.bfloat16
+    mend = KNOBS.interpret and dtype == torch.bfloat16
     # float32 operands honour torch's TF32 switch, as torch.matmul does; 16-bit ones ignore it.
     precision = "tf32" if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
     return mend, precision
 
 
+INTERPRETED = tl.constexpr(KNOBS.interpret)
+
+
 @triton.jit
-def dot(a, b, acc, MEND_BF16: tl.constexpr, PRECISION: tl.constexpr):
-    if MEND_BF16:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+def dot(a, b, acc, PRECISION: tl.constexpr):
+    if INTERPRETED:
+        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64)).to(tl.float32)
     else:
         return tl.dot(a, b, acc, input_precision=PRECISION)
 

@@ -3,7 +3,8 @@ shapes past the interpreter's reach, and 64-bit indexing.
 
 These many small shapes would each autotune every GEMM (seconds per shape, minutes in all), so
 they run with one tile config unless MOEBLAZE_AUTOTUNE is set (=1 checks the tuned configs, as
-scripts/bench_layer.py's float64 checks do). Set at collection, before any kernel is imported."""
+scripts/bench_layer.py's float64 checks do). Set at collection, before any kernel is imported:
+kernels/knobs.py reads it once, and the tile-config lists are built from it at import."""
 
 import os
 
@@ -12,8 +13,9 @@ os.environ.setdefault("MOEBLAZE_AUTOTUNE", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from moe_testing import per_expert_weight_grad64  # noqa: E402
 from moeblaze_megatron import build_routing_plan, moe_mlp  # noqa: E402
-from conftest import per_expert_weight_grad64  # noqa: E402
+from moeblaze_megatron.kernels.knobs import KNOBS  # noqa: E402
 from moeblaze_megatron.reference import ReferenceMoEMLP  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -153,7 +155,7 @@ def test_direct_launches_match_triton_launches(dtype, act, monkeypatch):
             assert x.data_ptr() % 16 != 0
         direct = _step(x, ids, probs, fc1, fc2, gy, act)
         with monkeypatch.context() as m:
-            m.setenv("MOEBLAZE_DIRECT_LAUNCH", "0")  # every launch through Triton's path
+            m.setattr(KNOBS, "direct_launch", False)  # every launch through Triton's path
             triton_path = _step(x, ids, probs, fc1, fc2, gy, act)
         for a, b in zip(direct, triton_path):
             assert torch.equal(a, b)
@@ -165,7 +167,7 @@ def test_direct_launches_with_autotuned_configs(monkeypatch):
     TMA boxes), cached launches still match Triton's launch path bitwise."""
     import triton
 
-    from moeblaze_megatron.kernels import expert_gemm as eg
+    from moeblaze_megatron.kernels import configs, row_gemm, weight_grad
     from moeblaze_megatron.kernels import launch as launch_mod
 
     def two(kernel, configs, hook):
@@ -174,19 +176,20 @@ def test_direct_launches_with_autotuned_configs(monkeypatch):
         monkeypatch.setattr(kernel, "configs", configs)
         monkeypatch.setattr(kernel, "cache", {})
 
-    two(eg._row_gemm_kernel, [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4,
-                                            num_stages=3),
-                              triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=8,
-                                            num_stages=3)], eg._set_row_gemm_boxes)
-    two(eg._weight_grad_kernel, [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3),
-                                 triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8,
-                                               num_stages=3)], eg._set_tma_box)
+    two(row_gemm.row_gemm_kernel, [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8},
+                                                 num_warps=4, num_stages=3),
+                                   triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 4},
+                                                 num_warps=8, num_stages=3)], configs.set_row_gemm_boxes)
+    two(weight_grad.weight_grad_kernel, [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4,
+                                                       num_stages=3),
+                                         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8,
+                                                       num_stages=3)], configs.set_tma_box)
     monkeypatch.setattr(launch_mod, "_entries", {})  # none resolved with the configs replaced here
     x, ids, probs, fc1, fc2, gy = _layer_inputs(1024, 256, 512, 8, 2, torch.bfloat16, 7)
     for _ in range(2):
         direct = _step(x, ids, probs, fc1, fc2, gy)
         with monkeypatch.context() as m:
-            m.setenv("MOEBLAZE_DIRECT_LAUNCH", "0")
+            m.setattr(KNOBS, "direct_launch", False)
             triton_path = _step(x, ids, probs, fc1, fc2, gy)
         for a, b in zip(direct, triton_path):
             assert torch.equal(a, b)
@@ -238,7 +241,7 @@ def test_direct_launch_takes_each_calls_grid():
 def test_gathered_weight_grad_on_the_gpu(gather_a, kind):
     """The grouped GEMM's weight gradients (experts at least as wide as the model) against float64
     per expert, with the rows of unused slots poisoned and experts that get no rows."""
-    from moeblaze_megatron.kernels import expert_gemm as eg
+    from moeblaze_megatron.kernels.weight_grad import gathered_weight_grad
 
     torch.manual_seed(11)
     T, E, K, rows_width, token_width = 3000, 16, 4, 520, 264
@@ -250,7 +253,7 @@ def test_gathered_weight_grad_on_the_gpu(gather_a, kind):
     tokens = torch.randn(T, token_width, device="cuda").bfloat16()
     buffer = torch.full((T * K, token_width), float("nan"), device="cuda", dtype=torch.bfloat16)
     a, b = (tokens, rows) if gather_a else (rows, tokens)
-    out = eg.gathered_weight_grad(a, b, plan, gather_a=gather_a, buffer=buffer)
+    out = gathered_weight_grad(a, b, plan, gather_a=gather_a, buffer=buffer)
     expected = per_expert_weight_grad64(tokens, rows, plan, gather_a)
     assert torch.isfinite(out).all()
     assert _rel(out, expected) < 1e-2

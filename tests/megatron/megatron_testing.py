@@ -1,9 +1,9 @@
 """Shared helpers for the Megatron-Core tests: a CPU Megatron fixture, config and layer builders,
 weight copying between stock and MoEBlaze experts, comparisons, and a multi-process launcher.
 
-Not a conftest.py: tests/conftest.py is imported as ``conftest`` by the kernel tests, and a second
-conftest.py without a package would take that module name from them (pytest loads both under the
-one name ``conftest``). Test modules import what they need from here, fixtures included.
+Not a conftest.py: a second conftest.py without a package would share the module name
+``conftest`` with tests/conftest.py (pytest loads both under that one name). Test modules import
+what they need from here, fixtures included, as the other tests import tests/moe_testing.py.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import moeblaze_megatron
-from moeblaze_megatron.cpu_compat import enable_cpu_megatron
-from moeblaze_megatron.experts import sequential_named_grads as named_grads  # noqa: F401 (the tests import it from here)
+from moeblaze_megatron.training.cpu_shims import enable_cpu_megatron
 
 # Relative-error bars against a float64 evaluation of the same model (the "oracle"): fp32 paths
 # differ from the oracle only by rounding (~1e-7 per op, well under 1e-5 after a few layers);

@@ -1,6 +1,7 @@
 """scripts/bench_expert_parallel.py under torchrun on the CPU with gloo (EP = 2 and 4, tiny shapes),
 so that the multi-GPU run does not fail on a code path no test reached; and its memory search's
-decisions, which only a GPU run exercises end to end, on a stand-in trainer."""
+decisions (benchlib.ep_bench.search_sequence), which only a GPU run exercises end to end, on a
+stand-in trainer."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import load_script
-
+from benchlib.ep_bench import search_sequence
 from megatron_testing import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_expert_parallel.py"
@@ -50,7 +50,7 @@ def test_bench_expert_parallel_cpu(tmp_path, world_size):
 
 
 class StandInTrainer:
-    """What search_sequence uses of train_loop.Trainer; a step's peak is BASE + PER_TOKEN x tokens."""
+    """What search_sequence uses of training.train_loop.Trainer; a step's peak is BASE + PER_TOKEN x tokens."""
 
     BASE, PER_TOKEN = 1000, 1
 
@@ -77,14 +77,13 @@ def one_rank_world():
 
 
 def test_sequence_search_decisions(one_rank_world, monkeypatch):
-    bench = load_script("bench_expert_parallel")
     trainer = StandInTrainer()
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: trainer.peak)
     rank = SimpleNamespace(rank=0, say=lambda message: None)
     budget = trainer.BASE + 5000  # sequences up to 5000 fit: 4864 in steps of 256
 
-    found = bench.search_sequence(trainer, rank, budget, time_limit=60, allocated_before=0, first_point=(1024, 2024))
+    found = search_sequence(trainer, rank, budget, time_limit=60, allocated_before=0, first_point=(1024, 2024))
     assert found["largest_fitting"] == 4864 and found["smallest_failing"] == 5120
     # 8192 is predicted at 9192 bytes, over 1.25 budgets: recorded as not fitting, never run; 6144
     # (7144, under 1.25 budgets) runs.
@@ -93,5 +92,5 @@ def test_sequence_search_decisions(one_rank_world, monkeypatch):
     assert trainer.ran == [1024, 2048, 4096, 6144, 5120, 4608, 4864]
 
     trainer.ran.clear()
-    found = bench.search_sequence(trainer, rank, budget, time_limit=0, allocated_before=0, first_point=(1024, 2024))
+    found = search_sequence(trainer, rank, budget, time_limit=0, allocated_before=0, first_point=(1024, 2024))
     assert found["time_limited"] and found["largest_fitting"] is None and trainer.ran == []

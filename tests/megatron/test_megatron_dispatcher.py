@@ -8,7 +8,7 @@ import torch
 
 from megatron_testing import build_moe_layer, cpu_megatron, moe_config  # noqa: F401
 from moeblaze_megatron.dispatcher import ExpertRouting, MoEBlazeTokenDispatcher, routing_map_to_topk
-from moeblaze_megatron.expert_parallel import TokenExchange, _GatherRows, _SumRows, plan_token_exchange
+from moeblaze_megatron.parallel.alltoall import TokenExchange, _GatherRows, _SumRows, plan_token_exchange
 from moeblaze_megatron.routing import build_routing_plan
 
 

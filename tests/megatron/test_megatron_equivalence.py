@@ -23,10 +23,10 @@ from megatron_testing import (
     copy_parameters,
     cpu_megatron,  # noqa: F401 - fixture
     moe_config,
-    named_grads,
     rel_error,
     seed_everything,
 )
+from moeblaze_megatron.training.named_grads import sequential_named_grads as named_grads
 
 pytestmark = pytest.mark.usefixtures("cpu_megatron")
 

@@ -20,11 +20,11 @@ from megatron_testing import (
     build_moe_layer,
     megatron_on_cpu,
     moe_config,
-    named_grads,
     rel_error,
     run_distributed,
     seed_everything,
 )
+from moeblaze_megatron.training.named_grads import sequential_named_grads as named_grads
 
 # (name, config overrides, expert bias or None). "skewed": the expert bias sends every token to
 # experts 0, 1 and 2, so at EP = 4 ranks 2 and 3 receive nothing. "dropping": a capacity factor

@@ -18,11 +18,11 @@ from megatron_testing import (
     copy_parameters,
     megatron_on_cpu,
     moe_config,
-    named_grads,
     rel_error,
     run_distributed,
     seed_everything,
 )
+from moeblaze_megatron.training.named_grads import sequential_named_grads as named_grads
 
 SEQ, BATCH, HIDDEN = 16, 2, 32
 

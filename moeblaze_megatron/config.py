@@ -1,0 +1,119 @@
+"""The plugin's options and the one declaration of every choice they take.
+
+Imports nothing of the package: the op, the adapters and the command line read their choices
+from here, so a new choice is declared once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "ACTIVATIONS",
+    "BACKENDS",
+    "MoEBlazeConfig",
+    "RECOMPUTE_MODES",
+    "ROUTING_METHODS",
+    "activation_name",
+    "activation_problem",
+    "expert_bias_problem",
+    "expert_tp_problem",
+    "get_moeblaze_config",
+    "set_moeblaze_config",
+]
+
+# The expert activations the op computes; "swiglu" is silu(gate) * up on [gate | up] fc1 rows.
+ACTIVATIONS = ("swiglu", "silu", "gelu")
+# What the experts keep for backward: the pre-activations, or only the input (fc1 recomputed).
+RECOMPUTE_MODES = ("activation", "fc1")
+# How the routing plan is built (routing.build_routing_plan).
+ROUTING_METHODS = ("auto", "three_step", "sort", "torch")
+# The expert MLP implementation: fused Triton kernels, the pure-PyTorch reference, or by device.
+BACKENDS = ("auto", "triton", "reference")
+
+
+@dataclass(frozen=True)
+class MoEBlazeConfig:
+    """The plugin's own options (Megatron's ``--moeblaze-*`` flags).
+
+    recompute: ``"activation"`` keeps the expert pre-activations for backward; ``"fc1"`` keeps only
+        the layer input and recomputes the first expert GEMM in backward (less memory, a third
+        more forward FLOPs in backward).
+    routing_method: how the routing plan is built (``build_routing_plan``'s methods).
+    backend: the expert MLP implementation: ``"auto"`` (fused Triton kernels on CUDA, the PyTorch
+        reference elsewhere), ``"triton"`` or ``"reference"``.
+    """
+
+    recompute: str = "activation"
+    routing_method: str = "auto"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        for name, allowed in (
+            ("recompute", RECOMPUTE_MODES),
+            ("routing_method", ROUTING_METHODS),
+            ("backend", BACKENDS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"MoEBlazeConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+
+def get_moeblaze_config(config) -> MoEBlazeConfig:
+    """The MoEBlazeConfig attached to a model config (its ``moeblaze`` attribute), or the defaults."""
+    options = getattr(config, "moeblaze", None)
+    if options is None:
+        return MoEBlazeConfig()
+    if not isinstance(options, MoEBlazeConfig):
+        raise TypeError(f"config.moeblaze must be a MoEBlazeConfig, got {type(options).__name__}")
+    return options
+
+
+def set_moeblaze_config(config, options: MoEBlazeConfig):
+    """Attach ``options`` to a model config (kept by ``copy.deepcopy``); returns ``config``."""
+    if not isinstance(options, MoEBlazeConfig):
+        raise TypeError(f"options must be a MoEBlazeConfig, got {type(options).__name__}")
+    config.moeblaze = options
+    return config
+
+
+# ----------------------------------------------------------------------------------------------
+# Rules every adapter applies (each declared here once)
+
+_ACTIVATION_OF = {(True, "silu"): "swiglu", (False, "silu"): "silu", (False, "gelu"): "gelu"}
+
+
+def activation_problem(gated: bool, func_name: str) -> str | None:
+    """Why a gated (GLU) or plain expert MLP with activation function ``func_name`` ('silu',
+    'gelu', ...) is refused (None: supported)."""
+    if (bool(gated), func_name) in _ACTIVATION_OF:
+        return None
+    kind = f"gated activation with {func_name}" if gated else f"activation {func_name}"
+    return f"{kind}: MoEBlaze supports SwiGLU (--swiglu), SiLU and GeLU experts"
+
+
+def activation_name(gated: bool, func_name: str) -> str:
+    """The op's activation ('swiglu', 'silu' or 'gelu') for a gated or plain expert MLP with
+    activation function ``func_name``; a ValueError naming the refused ones."""
+    problem = activation_problem(gated, func_name)
+    if problem is not None:
+        raise ValueError(problem)
+    return _ACTIVATION_OF[(bool(gated), func_name)]
+
+
+def expert_tp_problem(expert_tensor_parallel_size: int) -> str | None:
+    """Why an expert tensor-parallel size is refused (None: accepted). MoEBlaze experts hold whole
+    expert weights: expert tensor parallelism is 1."""
+    if expert_tensor_parallel_size in (None, 1):
+        return None
+    return (
+        f"expert_tensor_parallel_size={expert_tensor_parallel_size}: MoEBlaze experts are not "
+        "tensor-parallel; set --expert-tensor-parallel-size 1 (attention tensor parallelism with "
+        "--sequence-parallel works, and --expert-model-parallel-size spreads the experts)"
+    )
+
+
+def expert_bias_problem(add_bias: bool) -> str | None:
+    """Why expert biases are refused (None: no bias asked for). The fused GEMMs have no bias term."""
+    if not add_bias:
+        return None
+    return "add_bias_linear=True: MoEBlaze experts have no bias; set add_bias_linear=False (--disable-bias-linear)"

@@ -1,0 +1,122 @@
+"""The fused MoE expert MLP over the Triton kernels: its forward and backward passes as functions
+(``fused_forward``, ``fused_backward``) and the autograd Function over them (``TritonMoEMLP``).
+
+Forward: GEMM1 gathers x through the plan and applies the activation in its epilogue (saving the
+pre-activations unless recompute="fc1"); GEMM2 multiplies by fc2 in expert order; the combine
+kernel weights each slot by its router probability and sums a token's K rows (writing the
+probabilities in expert order for backward on the way).
+Backward: dH = gathered dY @ fc2 with the activation backward, the probability scaling and the
+router-probability gradient <dH, h> in the epilogue (partial sums per column tile), writing d pre
+over the saved pre-activations; dW2 and dW1 as per-expert reductions over gathered rows; dx as
+d pre @ fc1 summed per token, the same launch summing the probability gradient's partials.
+The only (T*K, d) tensors are transient: the expert-order outputs reduced right after their GEMM,
+and, for experts at least as wide as the model, one buffer that holds dY, then x, gathered for
+the weight gradients' grouped GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kernels.combine import combine
+from .kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD, expert_order_gemm, row_gemm, row_gemm_ds_tiles
+from .kernels.weight_grad import gathered_weight_grad, grouped_weight_grads_apply, weight_grad
+from .routing import RoutingPlan
+
+
+def fused_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation, *, save_pre, out_dtype=None):
+    """The forward pass over the kernels: ``(y, probs_sorted, pre)``; ``pre`` (the pre-activations,
+    for backward) only with ``save_pre``; ``y`` in ``out_dtype`` (x's by default)."""
+    x = x.contiguous()
+    topk_probs = topk_probs.contiguous()  # the combine kernel indexes it as [T, K] row-major
+    rows_total = plan.expert_token_indices.shape[0]
+    hidden = x.shape[1]
+    ffn = fc2_weight.shape[2]
+    pre = x.new_empty(rows_total, fc1_weight.shape[1]) if save_pre else None
+    h = x.new_empty(rows_total, ffn)
+    row_gemm(x, fc1_weight, h, plan, transpose_weight=True, epilogue=EPI_ACT_FWD,
+             activation=activation, gather_a=True, pre=pre, store_pre=save_pre, n=ffn)
+    expert_out = expert_order_gemm(h, fc2_weight, plan, transpose_weight=True, n=hidden)
+    del h
+    # Only the plan's used rows are written (and read by backward's epilogue).
+    probs_sorted = topk_probs.new_empty(rows_total)
+    y = combine(expert_out, plan.token_index_map, topk_probs, out_dtype or x.dtype, probs_sorted=probs_sorted)
+    return y, probs_sorted, pre
+
+
+def fused_backward(grad_y, x, probs_sorted, fc1_weight, fc2_weight, plan, activation, pre, needs):
+    """The backward pass over the kernels: ``(grad_x, grad_probs, grad_fc1, grad_fc2)``, each None
+    where ``needs`` (four bools, in that order) says so. ``probs_sorted``: the probabilities in the
+    plan's expert order; ``pre``: the saved pre-activations, overwritten with their gradient, or
+    None to recompute them (the first GEMM again)."""
+    need_x, need_probs, need_fc1, need_fc2 = needs
+    grad_y = grad_y.contiguous()
+    rows_total = plan.expert_token_indices.shape[0]
+    hidden = x.shape[1]
+    ffn = fc2_weight.shape[2]
+    if pre is None:
+        pre = x.new_empty(rows_total, fc1_weight.shape[1])
+        row_gemm(x, fc1_weight, pre, plan, transpose_weight=True, gather_a=True, n=fc1_weight.shape[1])
+    h_scaled = x.new_empty(rows_total, ffn)
+    # The epilogue writes every used row's partials, the only ones read.
+    ds_partial = torch.empty(rows_total, row_gemm_ds_tiles(ffn), dtype=torch.float32, device=x.device)
+    # After this launch `pre` holds d pre.
+    row_gemm(grad_y, fc2_weight, h_scaled, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
+             activation=activation, gather_a=True, pre=pre, probs_sorted=probs_sorted,
+             ds_partial=ds_partial, n=ffn)
+    grad_pre = pre
+    grad_x = grad_probs = grad_fc1 = grad_fc2 = None
+    # Where the grouped GEMM wins, one transient [T*K, d] buffer takes dY, then x, in expert
+    # order: it can raise the peak by its size (still below every peer's; benchmarks/NOTES.md).
+    grouped = grouped_weight_grads_apply(x, ffn) and (need_fc1 or need_fc2)
+    gathered = x.new_empty(rows_total, hidden) if grouped else None
+    if need_fc2:
+        grad_fc2 = _weight_gradient(fc2_weight, grad_y, h_scaled, plan, gather_a=True, gathered=gathered)
+    del h_scaled
+    if need_fc1:
+        grad_fc1 = _weight_gradient(fc1_weight, grad_pre, x, plan, gather_a=False, gathered=gathered)
+    del gathered
+    # probs_sorted has the probabilities' dtype; their gradient comes with dx's combine.
+    if need_x:
+        if need_probs:
+            grad_probs = torch.empty(plan.token_index_map.shape, dtype=probs_sorted.dtype, device=x.device)
+        grad_rows = expert_order_gemm(grad_pre, fc1_weight, plan, transpose_weight=False, n=hidden)
+        grad_x = combine(grad_rows, plan.token_index_map, None, x.dtype,
+                         ds_partial=ds_partial if grad_probs is not None else None, grad_probs=grad_probs)
+    elif need_probs:
+        grad_probs = plan.unpermute_rows(ds_partial.sum(dim=1)).to(probs_sorted.dtype)
+    return grad_x, grad_probs, grad_fc1, grad_fc2
+
+
+class TritonMoEMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute):
+        x = x.contiguous()
+        y, probs_sorted, pre = fused_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation,
+                                             save_pre=recompute == "activation")
+        ctx.save_for_backward(x, probs_sorted, fc1_weight, fc2_weight, pre, *plan.tensors())
+        ctx.activation = activation
+        ctx.pre_overwritten = False
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, probs_sorted, fc1_weight, fc2_weight, pre, *plan_tensors = ctx.saved_tensors
+        if ctx.pre_overwritten:
+            # A second backward through the same graph (retain_graph=True, gradcheck): the first
+            # one turned the saved pre-activations into their gradient, so recompute them.
+            pre = None
+        ctx.pre_overwritten = True
+        grads = fused_backward(grad_y, x, probs_sorted, fc1_weight, fc2_weight, RoutingPlan(*plan_tensors),
+                               ctx.activation, pre, ctx.needs_input_grad[:4])
+        return (*grads, None, None, None)
+
+
+def _weight_gradient(weight, a, b, plan, *, gather_a, gathered):
+    """The gradient of ``weight`` from A^T @ B per expert (one operand gathered): through the
+    grouped GEMM into ``gathered`` where given, the weight-gradient kernel otherwise."""
+    if gathered is not None:
+        return gathered_weight_grad(a, b, plan, gather_a=gather_a, buffer=gathered)
+    out = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    weight_grad(a, b, out, plan, gather_a=gather_a, gather_b=not gather_a)
+    return out

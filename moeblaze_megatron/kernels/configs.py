@@ -1,0 +1,179 @@
+"""Tile configs of the expert GEMMs, their pruning, and what the hardware and a tensor can take.
+
+The config lists are the measured winners on the H200 (benchmarks/NOTES.md has the measurements
+behind each choice); under the interpreter one small tile, with ``MOEBLAZE_AUTOTUNE=0`` one
+general tile per kernel. ``KNOBS`` is read when the lists are built (at import) and when they are
+pruned (each new shape).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .knobs import KNOBS
+
+EPI_STORE, EPI_ACT_FWD, EPI_ACT_BWD = 0, 1, 2
+ACT_SWIGLU, ACT_SILU, ACT_GELU = 0, 1, 2
+ACTIVATION_IDS = {"swiglu": ACT_SWIGLU, "silu": ACT_SILU, "gelu": ACT_GELU}
+
+# The activation backward writes one router-gradient partial per column tile, summed afterwards:
+# its rounding depends on the tile width, so it runs this one width (bitwise the same run to run,
+# whatever the autotuner's noise).
+ACT_BWD_BLOCK_N = 256
+
+# Ragged TMA descriptors for A and C of a plain GEMM in expert order are faster on the GPU but cost
+# the host tens of microseconds a launch: below this many FLOPs (~0.4 ms of GPU) a GEMM keeps its
+# pointers.
+TMA_ROWS_MIN_FLOPS = 2**38
+
+
+def set_row_gemm_boxes(nargs):
+    """Config pre-hook: each descriptor's box is the config's tile of its operand: the weight's,
+    and, for rows in expert order (ragged, led by [1, 1]), A's [BLOCK_M, BLOCK_K] and C's
+    [BLOCK_M, BLOCK_N]."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    b = nargs["b_ptr"]
+    if isinstance(b, TensorDescriptor):
+        b.block_shape = [1, 2, bn, bk] if len(b.shape) == 4 else [1, bn, bk] if nargs["TRANS_B"] else [1, bk, bn]
+    if isinstance(nargs["a_ptr"], TensorDescriptor):
+        nargs["a_ptr"].block_shape = [1, 1, bm, bk]
+        nargs["c_ptr"].block_shape = [1, 1, bm, bn]
+
+
+def row_gemm_configs():
+    """The row GEMM's configs, each sizing its TMA boxes through ``set_row_gemm_boxes``."""
+    configs = _row_gemm_tiles()
+    for config in configs:
+        config.pre_hook = set_row_gemm_boxes
+    return configs
+
+
+def _row_gemm_tiles():
+    if KNOBS.interpret:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4)]
+    if not KNOBS.autotune:
+        # BLOCK_K 32: four stages fit shared memory in float32 too. The first serves every
+        # epilogue but the SwiGLU forward, which takes the second (see prune_row_gemm).
+        return [
+            triton.Config({"BLOCK_M": 128, "BLOCK_N": n, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4)
+            for n in (ACT_BWD_BLOCK_N, 128)
+        ]
+    # Persistent programs (one per multiprocessor, looping over tiles) let the next tile's loads
+    # start during this one's epilogue. The first config is the activation backward's only one.
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8, "PERSISTENT": persistent},
+                      num_warps=w, num_stages=s)
+        for bm, bn, w, s, persistent in (
+            (128, 256, 8, 4, False),
+            (128, 256, 8, 4, True),
+            (128, 256, 8, 3, True),
+            (128, 128, 8, 4, True),
+            (128, 128, 8, 3, True),
+            (128, 128, 8, 4, False),
+            (128, 128, 8, 3, False),
+            (128, 64, 8, 4, False),
+            (64, 128, 4, 4, False),
+        )
+    ]
+
+
+def prune_row_gemm(configs, named_args, **kwargs):
+    """The configs worth timing for one launch (Triton passes the constexprs in kwargs)."""
+    args = {**named_args, **kwargs}
+    if args.get("TMA_ROWS"):
+        # C's store buffer does not fit shared memory beside a persistent program's four pipeline
+        # stages (sm_90a: 262 KB).
+        configs = [c for c in configs if not (c.kwargs.get("PERSISTENT") and c.num_stages >= 4)]
+    if args["EPILOGUE"] == EPI_ACT_BWD:
+        keep = [c for c in configs if c.kwargs["BLOCK_N"] == ACT_BWD_BLOCK_N and not c.kwargs.get("PERSISTENT")][:1]
+    elif args["ACT"] == ACT_SWIGLU and args["EPILOGUE"] == EPI_ACT_FWD:
+        # The SwiGLU forward holds the gate and up halves of its tile: it spills past 128 columns.
+        keep = [c for c in configs if c.kwargs["BLOCK_N"] <= 128]
+    elif args["EPILOGUE"] == EPI_STORE:
+        # 128x128 tiles never won a plain GEMM: timing them only lengthens a shape's first call.
+        keep = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) != (128, 128)]
+    else:
+        keep = configs
+    if not KNOBS.autotune:
+        keep = keep[:1]
+    return keep or configs[-1:]
+
+
+def set_tma_box(nargs):
+    """Config pre-hook: a ragged descriptor's box is the config's tile, [1, 1, BLOCK_K, width]."""
+    for name, width in (("a_ptr", "BLOCK_M"), ("b_ptr", "BLOCK_N")):
+        if isinstance(nargs[name], TensorDescriptor):
+            nargs[name].block_shape = [1, 1, nargs["BLOCK_K"], nargs[width]]
+
+
+def weight_grad_configs():
+    """The weight gradient's configs, each sizing its TMA box through ``set_tma_box``."""
+    if KNOBS.interpret:
+        configs = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4)]
+    elif not KNOBS.autotune:
+        configs = [triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8, num_stages=5)]
+    else:
+        # The row ids are loaded inside the loop and take a pipeline stage of their own, so these
+        # need one stage more than the row GEMM for the same depth (5 stages: 3 buffers). The
+        # first four are the TMA operand's winners; 256x128x64 the pointer form's.
+        configs = [
+            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in (
+                (256, 128, 32, 8, 8),
+                (128, 256, 64, 8, 5),
+                (256, 128, 64, 8, 5),
+                (128, 256, 32, 8, 8),
+                (128, 128, 64, 8, 5),
+            )
+        ]
+    for config in configs:
+        config.pre_hook = set_tma_box
+    return configs
+
+
+def prune_weight_grad(configs, named_args, **kwargs):
+    """Only tiles long on the operand in expert order: every measured shape ran fastest so, and the
+    autotuner's noise cannot then pick the other orientation."""
+    args = {**named_args, **kwargs}
+    if args["GATHER_A"] == args["GATHER_B"]:
+        return configs
+    long_side, short_side = ("BLOCK_N", "BLOCK_M") if args["GATHER_A"] else ("BLOCK_M", "BLOCK_N")
+    return [c for c in configs if c.kwargs[long_side] >= c.kwargs[short_side]] or configs
+
+
+def config_label(config) -> str:
+    """``BLOCK_MxBLOCK_NxBLOCK_K/gGROUP_M/wWARPS/sSTAGES[/p]`` of a tile config (``g-``: no grouping,
+    ``/p``: persistent)."""
+    kw = config.kwargs
+    return (f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}/g{kw.get('GROUP_M', '-')}"
+            f"/w{config.num_warps}/s{config.num_stages}{'/p' if kw.get('PERSISTENT') else ''}")
+
+
+@functools.cache
+def capability(index):
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def sm_count(device) -> int:
+    """A persistent launch's programs: one per multiprocessor (the interpreter: 4)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def tma_takes(t) -> bool:
+    """Whether a TMA descriptor can take ``t``: Hopper or newer (or the interpreter), unit last
+    stride, the other strides and the start 16-byte aligned."""
+    if t.is_cuda and capability(t.device.index) < (9, 0):
+        return False
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((stride * t.element_size()) % 16 == 0 for stride in t.stride()[:-1]))
+
+
+def ragged_tma_takes(ordered, rows_total: int) -> bool:
+    """Whether a ragged TMA descriptor can take ``ordered``: as ``tma_takes``, and at most 2**30
+    rows (the ragged descriptor's row coordinates)."""
+    return rows_total <= 2**30 and tma_takes(ordered)

@@ -1,0 +1,47 @@
+"""The kernels' environment knobs, read once when the kernels are imported.
+
+``MOEBLAZE_AUTOTUNE=0``: every GEMM runs one general tile config instead of timing the list on
+the first call of each shape (seconds per shape; the tuned configs are up to ~1.5x faster).
+``MOEBLAZE_DIRECT_LAUNCH=0``: every launch goes through Triton's own launch path (the same
+kernels and results, more host time per launch; see launch.py).
+``TRITON_INTERPRET=1``: Triton runs the kernels on CPU tensors in its interpreter (how CI tests
+them); Triton itself reads it when a kernel is decorated, so it must be set before the import.
+
+``KNOBS`` holds the values; a benchmark or a test that wants another setting for a while sets
+its attribute (``KNOBS.direct_launch = False``), never the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["KNOBS", "Knobs", "read_knobs"]
+
+
+@dataclass
+class Knobs:
+    autotune: bool = True
+    direct_launch: bool = True
+    interpret: bool = False
+
+
+def _flag(environ: Mapping[str, str], name: str, default: str) -> bool:
+    value = environ.get(name, default)
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def read_knobs(environ: Mapping[str, str]) -> Knobs:
+    """The knobs an environment sets; a ValueError naming a knob set to anything but 0 or 1."""
+    return Knobs(
+        autotune=_flag(environ, "MOEBLAZE_AUTOTUNE", "1"),
+        direct_launch=_flag(environ, "MOEBLAZE_DIRECT_LAUNCH", "1"),
+        # Triton's own reading: anything but "1" runs the compiled kernels.
+        interpret=environ.get("TRITON_INTERPRET") == "1",
+    )
+
+
+KNOBS = read_knobs(os.environ)

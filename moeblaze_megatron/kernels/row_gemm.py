@@ -1,0 +1,433 @@
+"""The row GEMM over a routing plan, gathering its rows on the fly: fc1 (with the activation),
+fc2, dH (with the activation backward) and dX.
+
+``row_gemm_kernel``: for every expert e and every row r of its slice of the plan,
+``C[r] = A[src(r)] @ B[e]`` where ``src(r)`` is the token id (``GATHER_A``: rows of x or dY read
+in place through ``expert_token_indices``) or r itself (A already in expert order). Its epilogue
+is one of: store C; the activation forward (SwiGLU: the gate columns and the up columns form one
+weight tile twice as wide, so x is read once and silu(gate) * up is formed in registers from the
+two halves of one accumulator); the activation backward (silu recomputed from the saved
+pre-activations, the router-probability gradient as a row dot product, the probability scaling).
+The weight comes through a TMA descriptor on Hopper; so do A and C of the large plain GEMMs over
+rows in expert order (fc2, dX), through ragged ones.
+
+Row tiles never straddle two experts: row-tile i is mapped to its expert inside the kernel from
+``expert_token_offsets``, so no host synchronization is needed and the grid is an upper bound
+(``cdiv(T*K, BLOCK_M) + E`` row tiles), or, for a persistent config, one program per
+multiprocessor looping over the tiles that exist. All row and expert offsets are 64-bit.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged, to_ragged_indices
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .configs import (
+    ACT_GELU,
+    ACT_SILU,
+    ACT_SWIGLU,
+    ACTIVATION_IDS,
+    EPI_ACT_BWD,
+    EPI_ACT_FWD,
+    EPI_STORE,
+    TMA_ROWS_MIN_FLOPS,
+    prune_row_gemm,
+    ragged_tma_takes,
+    row_gemm_configs,
+    sm_count,
+    tma_takes,
+)
+from .launch import KernelCall, cdiv, launch_call, next_pow2
+from .numerics import dot, dot_flags, to_storage
+
+__all__ = [
+    "ACTIVATION_IDS", "ACT_GELU", "ACT_SILU", "ACT_SWIGLU", "EPI_ACT_BWD", "EPI_ACT_FWD", "EPI_STORE",
+    "expert_order_gemm", "row_gemm", "row_gemm_call", "row_gemm_ds_tiles", "row_gemm_kernel",
+]
+
+
+
+@triton.jit
+def _silu_parts(g):
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    return sig, g * sig
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    if ACT == 2:
+        return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    else:
+        sig, silu = _silu_parts(g)
+        return silu
+
+
+@triton.jit
+def _act_grad(g, ACT: tl.constexpr):
+    if ACT == 2:
+        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
+        return cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+    else:
+        sig, silu = _silu_parts(g)
+        return sig * (1.0 + g * (1.0 - sig))
+
+
+@triton.jit
+def _row_tiles(offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """The number of row tiles over all experts' rows."""
+    e_idx = tl.arange(0, E_POW2)
+    lo = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
+    hi = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+    return tl.sum((hi - lo + BLOCK_M - 1) // BLOCK_M, axis=0)
+
+
+@triton.jit
+def _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """Row tile ``pid_m`` -> (expert, the expert's first row, the tile's first row, end of the
+    expert's rows, tile exists)."""
+    e_idx = tl.arange(0, E_POW2)
+    lo = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
+    hi = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, axis=0)
+    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+    this = e_idx == e
+    first_tile = tl.sum(tl.where(this, ends - tiles, 0), axis=0)
+    row_lo = tl.sum(tl.where(this, lo, 0), axis=0)
+    row_end = tl.sum(tl.where(this, hi, 0), axis=0)
+    return e, row_lo, row_lo + (pid_m - first_tile) * BLOCK_M, row_end, pid_m < tl.sum(tiles, axis=0)
+
+
+@triton.autotune(
+    configs=row_gemm_configs(),
+    key=["N", "K", "E", "rows_bucket", "EPILOGUE", "ACT", "GATHER_A", "TMA_B", "TMA_ROWS"],
+    prune_configs_by={"early_config_prune": prune_row_gemm},
+    # The activation backward rewrites pre in place and fills one ds column per column tile.
+    restore_value=["pre_ptr"],
+    reset_to_zero=["ds_ptr"],
+)
+@triton.jit
+def row_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr,
+    token_idx_ptr, offsets_ptr,
+    rows_total, rows_bucket, N, K, E,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+    stride_cm, stride_pm, stride_dsm,
+    EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATHER_A: tl.constexpr, STORE_PRE: tl.constexpr,
+    MEND_BF16: tl.constexpr, PRECISION: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TMA_B: tl.constexpr = False, TRANS_B: tl.constexpr = False, TMA_ROWS: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False,
+):
+    """C = A[src] @ B[e] per expert row tile, then the epilogue.
+
+    EPI_STORE:   c[r, n] = acc.
+    EPI_ACT_FWD: pre = acc (gate | up for SwiGLU, stored when STORE_PRE), c = act(pre).
+    EPI_ACT_BWD: acc is dH (unscaled); pre holds the saved pre-activations and receives
+                 d pre in place; c receives p * act(pre) (for dW2); ds receives
+                 <dH, act(pre)> summed over this program's columns (one partial per column tile).
+    For SwiGLU, N is the width h of one half; the up half sits N columns after the gate half.
+    TMA_B: B is a TMA descriptor over the weight, [E, N, K] (TRANS_B), [E, 2, N, K] (the SwiGLU
+    forward's gate and up halves) or [E, K, N]; the hardware zero-fills past N and K.
+    TMA_ROWS (EPI_STORE, A in expert order): A and C are ragged TMA descriptors over the rows; the
+    hardware reads zeros and drops writes past the tile's expert, as the masks do for pointers.
+    """
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    # (One call per branch: a one-trip loop around the per-tile launch's call compiles to other
+    # code, with up to 50 more registers.)
+    if PERSISTENT:
+        m_tiles = _row_tiles(offsets_ptr, E, BLOCK_M, E_POW2)
+        for pid in tl.range(tl.program_id(0), m_tiles * n_tiles, tl.num_programs(0), flatten=True):
+            _row_gemm_tile(pid, m_tiles, n_tiles, a_ptr, b_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr,
+                           offsets_ptr, N, K, E, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                           stride_cm, stride_pm, stride_dsm, EPILOGUE, ACT, GATHER_A, STORE_PRE, MEND_BF16,
+                           PRECISION, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_B, TRANS_B, TMA_ROWS,
+                           PERSISTENT)
+    else:
+        _row_gemm_tile(tl.program_id(0), tl.cdiv(rows_total, BLOCK_M) + E, n_tiles, a_ptr, b_ptr, c_ptr, pre_ptr,
+                       probs_ptr, ds_ptr, token_idx_ptr, offsets_ptr, N, K, E, stride_am, stride_ak,
+                       stride_be, stride_bk, stride_bn, stride_cm, stride_pm, stride_dsm, EPILOGUE, ACT, GATHER_A,
+                       STORE_PRE, MEND_BF16, PRECISION, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_B, TRANS_B,
+                       TMA_ROWS, PERSISTENT)
+
+
+@triton.jit
+def _row_gemm_tile(
+    pid, m_tiles, n_tiles, a_ptr, b_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, offsets_ptr,
+    N, K, E, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_pm, stride_dsm,
+    EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATHER_A: tl.constexpr, STORE_PRE: tl.constexpr,
+    MEND_BF16: tl.constexpr, PRECISION: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TMA_B: tl.constexpr, TRANS_B: tl.constexpr, TMA_ROWS: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    """Output tile ``pid`` of ``m_tiles`` x ``n_tiles`` (row tiles grouped by GROUP_M)."""
+    GLU: tl.constexpr = ACT == 0 and EPILOGUE != 0
+    in_group = GROUP_M * n_tiles
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+
+    e, row_lo, row0, row_end, exists = _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M, E_POW2)
+    # A persistent kernel visits existing tiles only; an if around the main loop would keep the
+    # compiler from pipelining across tiles.
+    if PERSISTENT or exists:
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        if GATHER_A:
+            src = tl.load(token_idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        else:
+            src = rows.to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        # The SwiGLU forward multiplies by the gate columns and the up columns N further on as one
+        # [BLOCK_K, 2 * BLOCK_N] tile: one matrix-instruction chain twice as wide, x read once.
+        B_COLS: tl.constexpr = 2 * BLOCK_N if GLU and EPILOGUE == 1 else BLOCK_N
+        if GLU and EPILOGUE == 1:
+            j = tl.arange(0, B_COLS)
+            b_cols = pid_n * BLOCK_N + j + (j // BLOCK_N) * (N - BLOCK_N)
+            b_col_ok = pid_n * BLOCK_N + j % BLOCK_N < N
+        else:
+            b_cols = cols
+            b_col_ok = col_ok
+        ks = tl.arange(0, BLOCK_K)
+        if not TMA_ROWS:
+            a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :] * stride_ak
+        if not TMA_B:
+            b_ptrs = b_ptr + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + b_cols[None, :].to(tl.int64) * stride_bn
+        acc = tl.zeros((BLOCK_M, B_COLS), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks < K - k0
+            if TMA_ROWS:
+                a = load_ragged(a_ptr, row_lo, row_end - row_lo, [row0 - row_lo, k0])
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if TMA_B and B_COLS != BLOCK_N:
+                b = tl.trans(tl.reshape(b_ptr.load([e, 0, pid_n * BLOCK_N, k0]), (B_COLS, BLOCK_K)))
+            elif TMA_B and TRANS_B:
+                b = tl.trans(tl.reshape(b_ptr.load([e, pid_n * BLOCK_N, k0]), (BLOCK_N, BLOCK_K)))
+            elif TMA_B:
+                b = tl.reshape(b_ptr.load([e, k0, pid_n * BLOCK_N]), (BLOCK_K, BLOCK_N))
+            else:
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & b_col_ok[None, :], other=0.0)
+            acc = dot(a, b, acc, PRECISION)
+            if not TMA_ROWS:
+                a_ptrs += BLOCK_K * stride_ak
+            if not TMA_B:
+                b_ptrs += BLOCK_K * stride_bk
+
+        out_dtype = c_ptr.dtype if TMA_ROWS else c_ptr.dtype.element_ty
+        r64 = rows.to(tl.int64)
+        if not TMA_ROWS:
+            mask = row_ok[:, None] & col_ok[None, :]
+            c_ptrs = c_ptr + r64[:, None] * stride_cm + cols[None, :]
+            pre_ptrs = pre_ptr + r64[:, None] * stride_pm + cols[None, :]
+        if TMA_ROWS:
+            # ragged_tma.store_ragged's own reshape fails under the interpreter (a tuple shape).
+            c0, c1, c2 = to_ragged_indices(row_lo, row_end - row_lo, row0 - row_lo)
+            c_ptr.store([c0, c1, c2, pid_n * BLOCK_N],
+                        tl.reshape(to_storage(acc, out_dtype, MEND_BF16), [1, 1, BLOCK_M, BLOCK_N]))
+        elif EPILOGUE == 0:
+            tl.store(c_ptrs, to_storage(acc, out_dtype, MEND_BF16), mask=mask)
+        elif EPILOGUE == 1:
+            # Round to the storage dtype first: backward recomputes from the stored values.
+            if GLU:
+                acc_gate, acc_up = _column_halves(acc, BLOCK_M, 2 * BLOCK_N)
+                gate = to_storage(acc_gate, out_dtype, MEND_BF16)
+                up = to_storage(acc_up, out_dtype, MEND_BF16)
+                if STORE_PRE:
+                    tl.store(pre_ptrs, gate, mask=mask)
+                    tl.store(pre_ptrs + N, up, mask=mask)
+                h = _act(gate.to(tl.float32), ACT) * up.to(tl.float32)
+            else:
+                gate = to_storage(acc, out_dtype, MEND_BF16)
+                if STORE_PRE:
+                    tl.store(pre_ptrs, gate, mask=mask)
+                h = _act(gate.to(tl.float32), ACT)
+            tl.store(c_ptrs, to_storage(h, out_dtype, MEND_BF16), mask=mask)
+        else:
+            # dH is rounded to the storage dtype first (as a stored dH would be), which halves the
+            # registers it holds; the epilogue then runs on four column chunks one after the other
+            # (a whole 256-wide tile's saved pre-activations at once would spill), each chunk's
+            # loads issued before the previous chunk's stores.
+            p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            ds = _act_bwd_epilogue(to_storage(acc, out_dtype, MEND_BF16), p, r64, row_ok, pid_n * BLOCK_N, N,
+                                   c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU, MEND_BF16, BLOCK_M, BLOCK_N)
+            tl.store(ds_ptr + r64 * stride_dsm + pid_n, ds, mask=row_ok)
+
+
+@triton.jit
+def _column_halves(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    return tl.split(tl.permute(tl.reshape(x, (ROWS, 2, COLS // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _load_pre(r64, row_ok, col0, N, pre_ptr, stride_pm, COLS: tl.constexpr, GLU: tl.constexpr):
+    """The saved pre-activations of COLS columns from col0: (gate, up) for SwiGLU, else (pre, pre)."""
+    cols = col0 + tl.arange(0, COLS)
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    pre_ptrs = pre_ptr + r64[:, None] * stride_pm + cols[None, :]
+    g = tl.load(pre_ptrs, mask=mask, other=0.0)
+    if GLU:
+        up = tl.load(pre_ptrs + N, mask=mask, other=0.0)
+    else:
+        up = g
+    return g, up
+
+
+@triton.jit
+def _act_bwd_chunk(acc, g, up, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm,
+                   ACT: tl.constexpr, GLU: tl.constexpr, MEND_BF16: tl.constexpr):
+    """The activation backward on the columns from col0 of dH = acc (unscaled), given their saved
+    pre-activations: d pre over pre (for SwiGLU d gate, and d up N columns further), p * act(pre)
+    into c; returns the rows' partial <dH, h>."""
+    out_dtype = c_ptr.dtype.element_ty
+    acc = acc.to(tl.float32)
+    g = g.to(tl.float32)
+    cols = col0 + tl.arange(0, acc.shape[1])
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    pre_ptrs = pre_ptr + r64[:, None] * stride_pm + cols[None, :]
+    dh = acc * p[:, None]
+    if GLU:
+        up = up.to(tl.float32)
+        sig, silu = _silu_parts(g)
+        h = silu * up
+        tl.store(pre_ptrs + N, to_storage(dh * silu, out_dtype, MEND_BF16), mask=mask)
+        d_pre = dh * up * sig * (1.0 + g * (1.0 - sig))
+    else:
+        h = _act(g, ACT)
+        d_pre = dh * _act_grad(g, ACT)
+    tl.store(pre_ptrs, to_storage(d_pre, out_dtype, MEND_BF16), mask=mask)
+    tl.store(c_ptr + r64[:, None] * stride_cm + cols[None, :], to_storage(h * p[:, None], out_dtype, MEND_BF16),
+             mask=mask)
+    return tl.sum(tl.where(mask, acc * h, 0.0), axis=1)
+
+
+@triton.jit
+def _act_bwd_epilogue(dh, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm,
+                      ACT: tl.constexpr, GLU: tl.constexpr, MEND_BF16: tl.constexpr,
+                      ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The activation backward on COLS columns of dH from col0, in four chunks. Returns the rows'
+    partial <dH, h>.
+
+    Each chunk's loads are issued before the previous chunk's stores: d pre is written over pre,
+    so the compiler may not move a load above a store, and a chunk's loads would otherwise wait
+    out a whole memory round trip after the previous chunk's stores."""
+    Q: tl.constexpr = COLS // 4
+    lo, hi = _column_halves(dh, ROWS, COLS)
+    c0, c1 = _column_halves(lo, ROWS, COLS // 2)
+    c2, c3 = _column_halves(hi, ROWS, COLS // 2)
+    g0, u0 = _load_pre(r64, row_ok, col0, N, pre_ptr, stride_pm, Q, GLU)
+    g1, u1 = _load_pre(r64, row_ok, col0 + Q, N, pre_ptr, stride_pm, Q, GLU)
+    ds = _act_bwd_chunk(c0, g0, u0, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU, MEND_BF16)
+    g2, u2 = _load_pre(r64, row_ok, col0 + 2 * Q, N, pre_ptr, stride_pm, Q, GLU)
+    ds += _act_bwd_chunk(c1, g1, u1, p, r64, row_ok, col0 + Q, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU,
+                         MEND_BF16)
+    g3, u3 = _load_pre(r64, row_ok, col0 + 3 * Q, N, pre_ptr, stride_pm, Q, GLU)
+    ds += _act_bwd_chunk(c2, g2, u2, p, r64, row_ok, col0 + 2 * Q, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU,
+                         MEND_BF16)
+    ds += _act_bwd_chunk(c3, g3, u3, p, r64, row_ok, col0 + 3 * Q, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU,
+                         MEND_BF16)
+    return ds
+
+
+def row_gemm(a, weight, out, plan, **kwargs) -> None:
+    """Launch ``row_gemm_kernel`` (autotuned); the arguments are ``row_gemm_call``'s."""
+    launch_call(row_gemm_call(a, weight, out, plan, **kwargs))
+
+
+def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, activation="swiglu",
+                  gather_a=True, pre=None, store_pre=True, probs_sorted=None, ds_partial=None, n=None,
+                  tma_weight=None, tma_rows=None) -> KernelCall:
+    """The launch of ``row_gemm_kernel`` over ``n`` output columns; ``weight`` is [E, out, in]
+    (``transpose_weight``: multiply by its transpose, as nn.Linear does) or [E, in, out].
+    ``ds_partial`` (activation backward): float32, ``row_gemm_ds_tiles(n)`` wide; every used row's
+    partials are written (the rows of unused slots, past the plan's last offset, are not).
+    ``tma_weight``: read the weight through a TMA descriptor where the hardware and the tensor
+    allow it (None, the default: Hopper or newer, an aligned weight), always (True: an error where
+    it cannot) or never (False: pointer loads). Either gives the same bits.
+    ``tma_rows``: the same choice for A and the output of a plain GEMM over rows in expert order
+    (``EPI_STORE``, not ``gather_a``: fc2, dX) through ragged TMA descriptors; None takes them
+    from ``TMA_ROWS_MIN_FLOPS`` on."""
+    rows_total = plan.expert_token_indices.shape[0]
+    num_experts = plan.num_experts
+    k_dim = a.shape[1]
+    b = weight
+    if tma_weight is None:
+        tma_weight = tma_takes(weight)
+    elif tma_weight and not tma_takes(weight):
+        raise ValueError(f"row_gemm(tma_weight=True): weight must be on a GPU of compute capability 9.0 or newer, "
+                         f"have unit last stride and 16-byte aligned strides and start; got strides "
+                         f"{weight.stride()} on {weight.device}")
+    if tma_weight:
+        # The box is the first config's weight tile; the configs' pre-hook resizes it to each one's.
+        kw = row_gemm_kernel.configs[0].kwargs
+        if epilogue == EPI_ACT_FWD and activation == "swiglu":
+            b = TensorDescriptor.from_tensor(weight.view(num_experts, 2, n, k_dim), [1, 2, kw["BLOCK_N"], kw["BLOCK_K"]])
+        elif transpose_weight:
+            b = TensorDescriptor.from_tensor(weight, [1, kw["BLOCK_N"], kw["BLOCK_K"]])
+        else:
+            b = TensorDescriptor.from_tensor(weight, [1, kw["BLOCK_K"], kw["BLOCK_N"]])
+    if transpose_weight:
+        stride_bk, stride_bn = weight.stride(2), weight.stride(1)
+    else:
+        stride_bk, stride_bn = weight.stride(1), weight.stride(2)
+    # The descriptor's bounds stand in for the column mask: only the n columns the kernel writes.
+    c_rows = out[:, :n]
+    rows_take = (epilogue == EPI_STORE and not gather_a and rows_total > 0
+                 and ragged_tma_takes(a, rows_total) and ragged_tma_takes(c_rows, rows_total))
+    if tma_rows is None:
+        tma_rows = rows_take and 2 * rows_total * n * k_dim >= TMA_ROWS_MIN_FLOPS
+    elif tma_rows and not rows_take:
+        raise ValueError(
+            f"row_gemm(tma_rows=True): needs a plain GEMM (epilogue EPI_STORE, got {epilogue}) over A in expert "
+            f"order (gather_a=False, got {gather_a}), and A and out on a GPU of compute capability 9.0 or newer "
+            f"with 1 to 2**30 rows (got {rows_total}), unit last stride, 16-byte aligned strides and start; got "
+            f"strides {a.stride()} and {out.stride()} on {out.device}")
+    a_arg, c_arg = a, out
+    if tma_rows:
+        # The boxes are the first config's tiles; the configs' pre-hook resizes them to each one's.
+        kw = row_gemm_kernel.configs[0].kwargs
+        a_arg = create_ragged_descriptor(a, [kw["BLOCK_M"], kw["BLOCK_K"]])
+        c_arg = create_ragged_descriptor(c_rows, [kw["BLOCK_M"], kw["BLOCK_N"]])
+    mend, precision = dot_flags(a.dtype)
+    device = a.device
+
+    def grid(meta):
+        tiles = (cdiv(rows_total, meta["BLOCK_M"]) + num_experts) * cdiv(n, meta["BLOCK_N"])
+        return (min(tiles, sm_count(device)),) if meta.get("PERSISTENT") else (tiles,)
+
+    args = (
+        a_arg, b, c_arg, pre if pre is not None else out,
+        probs_sorted if probs_sorted is not None else out,
+        ds_partial if ds_partial is not None else out,
+        plan.expert_token_indices, plan.expert_token_offsets,
+        rows_total, next_pow2(rows_total), n, k_dim, num_experts,
+        a.stride(0), a.stride(1), weight.stride(0), stride_bk, stride_bn,
+        out.stride(0), pre.stride(0) if pre is not None else 0,
+        ds_partial.stride(0) if ds_partial is not None else 0,
+    )
+    constexprs = dict(
+        EPILOGUE=epilogue, ACT=ACTIVATION_IDS[activation], GATHER_A=gather_a, STORE_PRE=store_pre,
+        MEND_BF16=mend, PRECISION=precision, E_POW2=max(next_pow2(num_experts + 1), 16),
+        TMA_B=tma_weight, TRANS_B=tma_weight and transpose_weight, TMA_ROWS=tma_rows,
+    )
+    return KernelCall(row_gemm_kernel, grid, args, constexprs)
+
+
+def expert_order_gemm(a, weight, plan, *, transpose_weight, n):
+    """``out[r] = A[r] @ B[e(r)]`` for A already in expert order (fc2 and dX: nothing to gather,
+    no epilogue); ``weight`` as in ``row_gemm``. Rows of unused slots (past the plan's last
+    offset) are left unwritten."""
+    out = a.new_empty(a.shape[0], n)
+    row_gemm(a, weight, out, plan, transpose_weight=transpose_weight, gather_a=False, n=n)
+    return out
+
+
+def row_gemm_ds_tiles(n: int) -> int:
+    """The column tiles of the activation-backward epilogue (its ds width), for every config it
+    may run."""
+    kept = prune_row_gemm(row_gemm_kernel.configs, {}, EPILOGUE=EPI_ACT_BWD)
+    return cdiv(n, min(c.kwargs["BLOCK_N"] for c in kept))

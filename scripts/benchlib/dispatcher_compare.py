@@ -1,0 +1,458 @@
+"""Train one model with the stock dispatcher, with MoEBlaze and with a control run (the stock
+run from weights moved by one ulp), and compare: step time, memory, the loss curves against the
+measured rounding noise, and a checkpoint resumed under either dispatcher
+(scripts/compare_dispatchers.py says how the noise bound is drawn).
+
+torch and Megatron are imported by the functions, so that a caller can print progress first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import platform
+import shlex
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from .memory_search import gc_free, search_memory
+
+REPO = Path(__file__).resolve().parents[2]
+
+NOISE_FACTOR = 4.0
+NOISE_FLOOR = 4.0
+DEFAULT_DATA_PREFIX = REPO / "data" / "pystdlib_text_document"
+DEFAULT_OUT = REPO / "runs" / "compare"  # git-ignored (/runs/)
+
+# Per-device defaults: the CPU runs the tiny model in fp32 against the allgather dispatcher (the
+# stock one that runs there); the GPU runs a Qwen3-MoE-like model in bf16 against alltoall +
+# SequentialMLP, what Megatron runs without Transformer Engine.
+DEFAULTS = {
+    "cpu": dict(family="tiny", baseline="allgather", seq_length=64, micro_batch_size=4, steps=60,
+                warmup=2, lr=3e-3, search="none"),
+    "cuda": dict(family="qwen3_moe", baseline="alltoall", seq_length=4096, micro_batch_size=2, steps=40,
+                 warmup=5, lr=3e-4, search="micro-batch"),
+}
+RESUME_STEPS = 12  # of the tiny model; the checkpoint is written half way
+
+
+class Progress:
+    """Prints a message with the seconds since it was made."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.start:7.1f}s] {message}", flush=True)
+
+
+def resolve(args):
+    """Fill the per-device defaults; returns the device."""
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    if args.device == "cpu" or not torch.cuda.is_available():
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
+    for name, value in DEFAULTS[device.type].items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    from moeblaze_megatron.training.families import MODEL_FAMILIES
+
+    if args.family not in MODEL_FAMILIES:
+        raise SystemExit(f"--family must be one of {sorted(MODEL_FAMILIES)}, got {args.family!r}")
+    if device.type == "cpu" and args.search != "none":
+        raise SystemExit("--search needs a GPU (it measures the CUDA allocator's peak); use --search none")
+    if args.warmup >= args.steps:
+        raise SystemExit(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
+    return device
+
+
+def ensure_dataset(args, progress) -> str | None:
+    """The --data-path prefix for the run (building the built-in corpus if needed), or None for mock data."""
+    if args.data == "mock":
+        return None
+    if args.data != "builtin":
+        return args.data
+    from moeblaze_megatron.training.corpus import build_byte_dataset, dataset_exists, stdlib_source_files
+
+    if not dataset_exists(DEFAULT_DATA_PREFIX):
+        progress(f"building the built-in corpus at {DEFAULT_DATA_PREFIX.relative_to(REPO)} ...")
+        stats = build_byte_dataset(DEFAULT_DATA_PREFIX, stdlib_source_files())
+        progress(f"  {stats['num_documents']} files, {stats['num_tokens']:,} byte tokens")
+    return str(DEFAULT_DATA_PREFIX)
+
+
+def run_spec(args, device, dispatcher: str, data_path, **overrides):
+    from moeblaze_megatron.training.train_loop import RunSpec
+
+    extra = shlex.split(args.megatron_args)
+    fields = dict(
+        family=args.family, dispatcher=dispatcher, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, train_iters=args.steps, data_path=data_path,
+        lr=args.lr, min_lr=args.lr / 10, warmup_iters=max(1, args.steps // 10), seed=args.seed,
+        bf16=device.type == "cuda",
+        # Megatron's gradient clipping asserts CUDA tensors; the CPU demo trains unclipped.
+        clip_grad=1.0 if device.type == "cuda" else 0.0,
+        extra_args=extra,
+    )
+    fields.update(overrides)
+    return RunSpec(**fields)
+
+
+def train(trainer, label: str, steps: int, progress, save_at: int | None = None, measure_saved: bool = True,
+          allocated_before: int = 0):
+    """Run ``steps`` steps; the first one also measures what autograd saves for backward.
+    ``allocated_before``: CUDA bytes allocated before the trainer was built (what earlier runs
+    still hold), taken out of the reported peak; the peak counter must be reset before the build."""
+    import torch
+
+    record = {"dispatcher": trainer.run.dispatcher, "losses": [], "step_seconds": [], "tokens_per_step": None}
+    cuda = trainer.device.type == "cuda"
+    report_every = max(1, steps // 6)
+    for i in range(steps):
+        if i == 0 and measure_saved:
+            saved = SavedBytes(trainer.model)
+            result = trainer.train_step(forward_context=saved.counting)
+            record["saved_activation_bytes"] = saved.total
+        else:
+            result = trainer.train_step()
+        record["losses"].append(result.loss)
+        record["step_seconds"].append(result.seconds)
+        record["tokens_per_step"] = result.tokens
+        if not math.isfinite(result.loss):
+            raise RuntimeError(f"{label}: loss is {result.loss} at step {trainer.iteration}")
+        if save_at is not None and trainer.iteration == save_at:
+            trainer.save()
+        if (i + 1) % report_every == 0 or i + 1 == steps:
+            progress(f"  {label}: step {i + 1:4d}/{steps}  loss {result.loss:.4f}  "
+                     f"{result.seconds * 1e3:8.1f} ms/step")
+    if cuda:
+        # The model, its optimizer state and the training steps; not what earlier runs hold.
+        record["peak_memory_bytes"] = torch.cuda.max_memory_allocated(trainer.device) - allocated_before
+    return record
+
+
+class SavedBytes:
+    """Bytes autograd keeps for backward during a micro-batch's forward pass (parameters
+    excluded), the largest over the micro-batches counted. Every saved storage is counted once,
+    whole: it stays alive until backward. Counting the forward only is exact because no saved
+    storage is freed, and so none is reused, before backward starts. Tensors a custom autograd
+    function keeps as plain attributes instead of through save_for_backward are not seen (the
+    GPU's peak memory is the complete measure)."""
+
+    def __init__(self, model_chunks):
+        self.params = {p.untyped_storage().data_ptr() for m in model_chunks for p in m.parameters()}
+        self.total = 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        import torch
+
+        storages: dict[int, int] = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self.params:
+                storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield
+        self.total = max(self.total, sum(storages.values()))
+
+
+def summarize(record: dict, warmup: int) -> None:
+    timed = record["step_seconds"][warmup:]
+    record["median_step_seconds"] = statistics.median(timed)
+    record["tokens_per_second"] = record["tokens_per_step"] / record["median_step_seconds"]
+
+
+def loss_check(baseline: list[float], candidate: list[float], control: list[float], unit_roundoff: float,
+               tokens_per_step: int) -> dict:
+    """Per step: |candidate - baseline| <= max(NOISE_FACTOR * envelope, floor), the envelope being
+    the running maximum of |control - baseline| and the floor
+    NOISE_FLOOR * max(u * |baseline| / sqrt(tokens_per_step), float32 ulp of the baseline)."""
+    import numpy
+
+    envelope, rows, worst = 0.0, [], 0.0
+    for step, (b, c, k) in enumerate(zip(baseline, candidate, control), start=1):
+        envelope = max(envelope, abs(k - b))
+        floor = NOISE_FLOOR * max(unit_roundoff * abs(b) / math.sqrt(tokens_per_step),
+                                  float(numpy.spacing(numpy.float32(abs(b)))))
+        tolerance = max(NOISE_FACTOR * envelope, floor)
+        diff = abs(c - b)
+        worst = max(worst, diff / tolerance)
+        rows.append({"step": step, "baseline": b, "candidate": c, "control": k, "abs_diff": diff,
+                     "tolerance": tolerance})
+    return {"passed": worst <= 1.0, "worst_diff_over_tolerance": worst, "noise_factor": NOISE_FACTOR,
+            "noise_floor_roundoffs": NOISE_FLOOR, "unit_roundoff": unit_roundoff,
+            "tokens_per_step": tokens_per_step, "steps": rows}
+
+
+def resume_check(args, device, data_path, progress, unit_roundoff: float) -> dict:
+    """The tiny model: the stock run saves a Megatron checkpoint half way and goes on; that
+    checkpoint is resumed under the stock dispatcher and under the candidate, and both must
+    continue on the uninterrupted curve (within the same noise bound as the comparison)."""
+    from moeblaze_megatron.training.train_loop import Trainer
+
+    half = RESUME_STEPS // 2
+    tiny = dict(family="tiny", seq_length=64, micro_batch_size=4, train_iters=RESUME_STEPS, lr=3e-3,
+                min_lr=3e-4, warmup_iters=2)
+    workdir = Path(tempfile.mkdtemp(prefix="moeblaze_resume_"))
+    try:
+        progress(f"resume check (tiny model, {RESUME_STEPS} steps, checkpoint at step {half}):")
+        trainer = Trainer(run_spec(args, device, args.baseline, data_path, save=str(workdir), **tiny), device)
+        initial = trainer.unwrapped_state_dict()
+        uninterrupted = train(trainer, f"{args.baseline} (saves at {half})", RESUME_STEPS, progress,
+                              save_at=half, measure_saved=False)["losses"]
+        trainer.close()
+        trainer = Trainer(run_spec(args, device, args.baseline, data_path, **tiny), device,
+                          initial_state=initial, perturb_ulps=1.0)
+        control = train(trainer, f"{args.baseline} control", RESUME_STEPS, progress, measure_saved=False)["losses"]
+        trainer.close()
+        results = {}
+        for dispatcher in (args.baseline, args.candidate):
+            trainer = Trainer(run_spec(args, device, dispatcher, data_path, load=str(workdir), **tiny), device)
+            if trainer.iteration != half:
+                raise RuntimeError(f"resumed at iteration {trainer.iteration}, expected {half}")
+            resumed = train(trainer, f"{dispatcher} resumed", RESUME_STEPS - half, progress,
+                            measure_saved=False)["losses"]
+            trainer.close()
+            check = loss_check(uninterrupted[half:], resumed, control[half:], unit_roundoff,
+                               tiny["seq_length"] * tiny["micro_batch_size"])
+            results[dispatcher] = {"losses": resumed, "passed": check["passed"],
+                                   "worst_diff_over_tolerance": check["worst_diff_over_tolerance"],
+                                   "max_abs_diff": max(r["abs_diff"] for r in check["steps"])}
+            progress(f"  resumed under {dispatcher}: max |diff| {results[dispatcher]['max_abs_diff']:.2e} "
+                     f"({'ok' if check['passed'] else 'FAILED'})")
+        return {"steps": RESUME_STEPS, "checkpoint_step": half, "uninterrupted": uninterrupted,
+                "control": control, "resumed": results, "passed": all(r["passed"] for r in results.values())}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def environment(device) -> dict:
+    import megatron.core
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "megatron_core": megatron.core.__version__, "device": str(device)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        info["cpu_threads"] = torch.get_num_threads()
+    return info
+
+
+def write_outputs(out: Path, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "report.md").write_text(markdown(result))
+    plot(out / "losses.png", result)
+
+
+def _mib(value) -> str:
+    if value is None:
+        return "n/a"
+    mib = value / 2**20
+    return f"{mib:,.0f}" if mib >= 100 else f"{mib:.2f}"
+
+
+def markdown(result: dict) -> str:
+    base, cand = result["runs"]["baseline"], result["runs"]["candidate"]
+    lines = [
+        f"# {cand['dispatcher']} vs {base['dispatcher']}: {result['config']['family']} on {result['environment']['device']}",
+        "",
+        f"Command: `{result['command']}`",
+        "",
+        "| dispatcher | median step (ms) | tokens/s | peak memory (MiB) | saved for backward (MiB) |"
+        + (f" largest {result['search']['dimension']} in {result['config']['memory_budget_gib']:g} GiB |"
+           if result.get("search") else ""),
+        "|---|---|---|---|---|" + ("---|" if result.get("search") else ""),
+    ]
+    for run_name, run in (("baseline", base), ("candidate", cand)):
+        row = (f"| {run['dispatcher']} | {run['median_step_seconds'] * 1e3:.1f} | {run['tokens_per_second']:,.0f} | "
+               f"{_mib(run.get('peak_memory_bytes'))} | {_mib(run.get('saved_activation_bytes'))} |")
+        if result.get("search"):
+            row += f" {result['search'][run_name]['largest_fitting']} |"
+        lines.append(row)
+    ratios = result["ratios"]
+    lines += ["", f"Step time: {ratios['step_time_speedup']:.2f}x faster with {cand['dispatcher']}; "
+              f"saved activations: {ratios['saved_activation_ratio']:.2f}x less"
+              + (f"; largest {result['search']['dimension']}: {ratios['search_ratio']:.2f}x"
+                 if ratios.get("search_ratio") else "") + "."]
+    check = result["loss_check"]
+    lines += ["", f"## Losses ({'agree' if check['passed'] else 'DIVERGE'}: worst |diff| / tolerance = "
+              f"{check['worst_diff_over_tolerance']:.2f})", "",
+              f"Tolerance per step: max({check['noise_factor']:g} x the running max of |control - baseline|, "
+              f"{check['noise_floor_roundoffs']:g} x max({check['unit_roundoff']:.2e} x loss / sqrt("
+              f"{check['tokens_per_step']} tokens), float32 ulp of the loss)); the control run moves every "
+              "initial weight by one ulp.", "",
+              "| step | baseline | candidate | control | abs diff | tolerance |", "|---|---|---|---|---|---|"]
+    rows = check["steps"]
+    shown = sorted({0, len(rows) - 1, *range(0, len(rows), max(1, len(rows) // 10))})
+    for i in shown:
+        r = rows[i]
+        lines.append(f"| {r['step']} | {r['baseline']:.5f} | {r['candidate']:.5f} | {r['control']:.5f} | "
+                     f"{r['abs_diff']:.2e} | {r['tolerance']:.2e} |")
+    if result.get("resume"):
+        resume = result["resume"]
+        lines += ["", f"## Resume ({'ok' if resume['passed'] else 'FAILED'})", "",
+                  f"Tiny model, {resume['steps']} steps; the {base['dispatcher']} run saved a Megatron "
+                  f"checkpoint at step {resume['checkpoint_step']}, resumed under each dispatcher:", ""]
+        for name, r in resume["resumed"].items():
+            lines.append(f"- {name}: max |loss diff| vs uninterrupted {r['max_abs_diff']:.2e} "
+                         f"(worst diff / tolerance {r['worst_diff_over_tolerance']:.2f})")
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: Path, result: dict) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no losses.png (pip install matplotlib)", flush=True)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["loss_check"]["steps"]
+    steps = [r["step"] for r in rows]
+    base, cand = result["runs"]["baseline"]["dispatcher"], result["runs"]["candidate"]["dispatcher"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    top.plot(steps, [r["baseline"] for r in rows], label=base, linewidth=2)
+    top.plot(steps, [r["candidate"] for r in rows], label=cand, linewidth=1.2, linestyle="--")
+    top.set_ylabel("lm loss")
+    top.set_title(f"{result['config']['family']}: {cand} vs {base} ({result['environment']['device']})")
+    top.legend()
+    bottom.semilogy(steps, [max(r["abs_diff"], 1e-12) for r in rows], label=f"|{cand} - {base}|")
+    bottom.semilogy(steps, [max(abs(r["control"] - r["baseline"]), 1e-12) for r in rows],
+                    label="|control - baseline| (1-ulp weights)", alpha=0.7)
+    bottom.semilogy(steps, [r["tolerance"] for r in rows], label="tolerance", color="black", linestyle=":")
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("abs loss difference")
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def compare(args, device, progress) -> dict:
+    """The baseline, candidate and control runs, the loss check, the memory search (GPU) and the
+    resume check, as compare.json's record (its "command" left to the caller)."""
+    import torch
+
+    from moeblaze_megatron.training.train_loop import Trainer
+
+    data_path = ensure_dataset(args, progress)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    unit_roundoff = torch.finfo(dtype).eps / 2
+    progress(f"{args.family} model, {args.steps} steps of {args.micro_batch_size} x {args.seq_length} tokens, "
+             f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} on {device}; data: "
+             f"{data_path or 'mock'}")
+    result = {"config": {**{k: v for k, v in vars(args).items()}, "memory_budget_gib": args.memory_budget_gib},
+              "environment": environment(device), "runs": {}}
+    initial_state = None
+    runs = (("baseline", args.baseline, 0.0), ("candidate", args.candidate, 0.0), ("control", args.baseline, 1.0))
+    for name, dispatcher, ulps in runs:
+        label = f"{dispatcher}" + (" control (weights +-1 ulp)" if ulps else "")
+        progress(f"{name}: building the {args.family} model with the {dispatcher} dispatcher ...")
+        allocated_before = 0
+        if device.type == "cuda":
+            gc_free()
+            allocated_before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        trainer = Trainer(run_spec(args, device, dispatcher, data_path), device,
+                          initial_state=initial_state, perturb_ulps=ulps)
+        if initial_state is None:
+            initial_state = trainer.unwrapped_state_dict()  # on the CPU
+        record = train(trainer, label, args.steps, progress, measure_saved=name != "control",
+                       allocated_before=allocated_before)
+        summarize(record, args.warmup)
+        result["runs"][name] = record
+        if name != "control":
+            progress(f"  {dispatcher}: median {record['median_step_seconds'] * 1e3:.1f} ms/step, "
+                     f"{record['tokens_per_second']:,.0f} tokens/s, saved for backward "
+                     f"{_mib(record.get('saved_activation_bytes'))} MiB"
+                     + (f", peak {_mib(record['peak_memory_bytes'])} MiB" if "peak_memory_bytes" in record else ""))
+        if args.search != "none" and name != "control":
+            progress(f"  searching the largest {args.search} within {args.memory_budget_gib:g} GiB "
+                     f"(at most {args.search_time_limit:g}s) ...")
+            result.setdefault("search", {"dimension": args.search})[name] = search_memory(
+                trainer, args.search, int(args.memory_budget_gib * 2**30), args.search_time_limit, progress,
+                allocated_before)
+        trainer.close()
+        del trainer
+
+    base, cand = result["runs"]["baseline"], result["runs"]["candidate"]
+    check = loss_check(base["losses"], cand["losses"], result["runs"]["control"]["losses"], unit_roundoff,
+                       base["tokens_per_step"])
+    result["loss_check"] = check
+    progress(f"losses {'agree' if check['passed'] else 'DIVERGE'}: worst |diff| / tolerance "
+             f"{check['worst_diff_over_tolerance']:.2f}")
+    ratios = {"step_time_speedup": base["median_step_seconds"] / cand["median_step_seconds"],
+              "saved_activation_ratio": base["saved_activation_bytes"] / max(1, cand["saved_activation_bytes"])}
+    if base.get("peak_memory_bytes"):
+        ratios["peak_memory_ratio"] = base["peak_memory_bytes"] / cand["peak_memory_bytes"]
+    search = result.get("search")
+    if search and search["baseline"]["largest_fitting"] and search["candidate"]["largest_fitting"]:
+        ratios["search_ratio"] = search["candidate"]["largest_fitting"] / search["baseline"]["largest_fitting"]
+    result["ratios"] = ratios
+    if args.resume_check:
+        result["resume"] = resume_check(args, device, data_path, progress, unit_roundoff)
+    return result
+
+
+def finish(out: Path, result: dict, progress=print) -> int:
+    """Write ``result``'s outputs under ``out`` (saying where through ``progress``), print the
+    report and, where the losses diverge or the resume failed, why; 0 if both passed, else 1."""
+    write_outputs(out, result)
+    progress(f"wrote {_shown(out)}/compare.json, report.md, losses.png")
+    print()
+    print((out / "report.md").read_text())
+    ok = result["loss_check"]["passed"] and (result.get("resume") or {"passed": True})["passed"]
+    if not ok:
+        print("FAILED: " + ("losses diverge beyond rounding noise" if not result["loss_check"]["passed"]
+                            else "the resume check failed"), flush=True)
+    return 0 if ok else 1
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the checkout where it lies inside it."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def run(args, command: str) -> int:
+    """The comparison of parsed arguments (compare_dispatchers.py's), its outputs written under
+    ``args.out`` (default runs/compare/<family>-<cpu|gpu>, git-ignored); the exit status."""
+    progress = Progress()
+    progress("importing torch and Megatron-Core ...")
+    # Progress lines only: Megatron-Core warns about every optional library it does not find and
+    # logs every argument; torch and matplotlib log their own setup.
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    for name in ("megatron", "torch.utils.cpp_extension", "matplotlib"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    device = resolve(args)
+    out = Path(args.out) if args.out else DEFAULT_OUT / f"{args.family}-{'gpu' if device.type == 'cuda' else 'cpu'}"
+    progress(f"outputs go to {_shown(out)}/")
+    if device.type == "cpu":
+        from moeblaze_megatron.training.cpu_shims import enable_cpu_megatron
+
+        with enable_cpu_megatron():
+            result = compare(args, device, progress)
+    else:
+        result = compare(args, device, progress)
+    result["command"] = command.strip()
+    return finish(out, result, progress)

@@ -1,0 +1,103 @@
+"""The largest size that fits a memory budget: a doubling-then-bisection search over a monotone
+"fits" test, and the one-GPU search of the largest micro-batch or sequence a training step fits
+(scripts/compare_dispatchers.py; scripts/bench_expert_parallel.py runs the search collectively).
+
+torch is imported by the functions that need it, not here.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def search_memory(trainer, dimension: str, budget_bytes: int, time_limit: float, progress,
+                  allocated_before: int = 0) -> dict:
+    """Largest micro-batch (or sequence length) whose training steps stay within ``budget_bytes``:
+    doubling, then bisection; each probe runs two steps on random tokens under an allocator cap
+    at the budget, and fits if nothing ran out of memory and the peak stayed within the budget.
+    ``allocated_before``: bytes held before this run's model was built, outside the budget."""
+    import torch
+
+    device = trainer.device
+    granule = 1 if dimension == "micro-batch" else 256
+    base_mbs, base_seq = trainer.args.micro_batch_size, trainer.args.seq_length
+    start_value = base_mbs if dimension == "micro-batch" else max(granule, base_seq // granule * granule)
+    cap = 64 * start_value
+    generator = torch.Generator().manual_seed(0)
+    total = torch.cuda.get_device_properties(device).total_memory
+    probes = []
+    deadline = time.perf_counter() + time_limit
+
+    def fits(value: int) -> bool:
+        mbs, seq = (value, base_seq) if dimension == "micro-batch" else (base_mbs, value)
+        gc_free()
+        torch.cuda.reset_peak_memory_stats(device)
+        began = time.perf_counter()
+        ok = True
+        try:
+            for _ in range(2):
+                trainer.train_step(trainer.random_batches(mbs, seq, generator))
+        except torch.OutOfMemoryError:
+            ok = False
+        except RuntimeError as error:  # an allocation failing outside the caching allocator
+            if "out of memory" not in str(error):
+                raise
+            ok = False
+        peak = torch.cuda.max_memory_allocated(device) - allocated_before
+        ok = ok and peak <= budget_bytes
+        probes.append({"value": value, "tokens": mbs * seq, "fits": ok, "peak_bytes": peak,
+                       "seconds": time.perf_counter() - began})
+        progress(f"    {dimension} {value:6d} ({mbs * seq:7d} tokens): "
+                 f"{'fits' if ok else 'does not fit'}, peak {peak / 2**30:6.1f} GiB")
+        return ok
+
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (budget_bytes + allocated_before) / total), device)
+    try:
+        found = largest_fitting(fits, start_value, granule, cap, deadline)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        gc_free()
+    return {"dimension": dimension, "budget_bytes": budget_bytes, **found, "probes": probes}
+
+
+def largest_fitting(fits, start: int, granule: int, cap: int, deadline: float) -> dict:
+    """The largest multiple of ``granule`` in [granule, cap] for which ``fits`` holds, assuming
+    it is monotone: double from ``start`` (a multiple of ``granule``) until a failure (halve while
+    ``start`` itself fails), then bisect. Stops early at ``deadline`` (time.perf_counter()) with
+    the best bracket so far."""
+    if start % granule or start <= 0:
+        raise ValueError(f"start must be a positive multiple of granule={granule}, got {start}")
+    good, bad, value = None, None, start
+    while good is None or bad is None:
+        if time.perf_counter() >= deadline:
+            break
+        if fits(value):
+            good = value
+            if value * 2 > cap:
+                break
+            value *= 2
+        else:
+            bad = value
+            if value <= granule:
+                break
+            value = max(granule, value // 2 // granule * granule)
+    while good is not None and bad is not None and bad - good > granule and time.perf_counter() < deadline:
+        middle = (good + bad) // 2 // granule * granule
+        if fits(middle):
+            good = middle
+        else:
+            bad = middle
+    return {"largest_fitting": good, "smallest_failing": bad, "time_limited": time.perf_counter() >= deadline,
+            "capped": bad is None and good is not None}
+
+
+def gc_free() -> None:
+    """Collect garbage and return the CUDA allocator's cached blocks, so that a peak measured
+    next starts from what is alive."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,262 @@
+"""Every implementation of one MoE layer that the benchmarks compare, routing given.
+
+Each maps (x [T, d], top-k ids [T, K], top-k probs [T, K]) -> y [T, d] and owns its parameters,
+built from the same fc1 [E, 2h|h, d] and fc2 [E, d, h] weights. Peers: grouped_mm
+(torch._grouped_mm pipeline, as torchtitan does it), megatron_sequential (Megatron-Core alltoall
+dispatcher + SequentialMLP), megablocks (dMoE, grouped path), liger (Liger-Kernel's fused MoE),
+scattermoe. A peer's library is imported when the peer is built, so a missing one fails there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from moeblaze_megatron import moe_mlp
+
+# Liger's fused MoE autotunes over many configs on every new shape, which would dominate a
+# benchmark run; DESIGN.md measured it with autotuning off too.
+os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
+
+IMPLS = ("moeblaze", "moeblaze_fc1", "grouped_mm", "megatron_sequential", "megablocks", "liger", "scattermoe")
+# An illegal memory access kills the whole process, so a peer known to crash on a shape is skipped.
+KNOWN_CRASHES = {("dsv3-like", "scattermoe"): "skipped: died with an illegal memory access on this "
+                 "shape when measured for DESIGN.md (2026-11-29); an IMA would end this whole run"}
+
+
+class Impl:
+    name = ""
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        self.activation = activation
+        self.E, self.K = num_experts, topk
+
+    def params(self):
+        raise NotImplementedError
+
+    def __call__(self, x, ids, probs):
+        raise NotImplementedError
+
+
+class MoEBlaze(Impl):
+    name = "moeblaze"
+    recompute = "activation"
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        super().__init__(fc1, fc2, activation, num_experts, topk)
+        self.fc1 = fc1.detach().clone().requires_grad_()
+        self.fc2 = fc2.detach().clone().requires_grad_()
+
+    def params(self):
+        return [self.fc1, self.fc2]
+
+    def __call__(self, x, ids, probs):
+        # The ids come from a top-k, as in Megatron, whose dispatcher skips the id check (and its
+        # host synchronization) the same way; no peer checks them either.
+        return moe_mlp(x, ids, probs, self.fc1, self.fc2, self.activation, recompute=self.recompute, validate=False)
+
+
+class MoEBlazeFc1(MoEBlaze):
+    name = "moeblaze_fc1"
+    recompute = "fc1"
+
+
+class GroupedMM(Impl):
+    """Sort, gather, grouped_mm, activation, grouped_mm, weighted index_add (torchtitan's recipe)."""
+
+    name = "grouped_mm"
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        super().__init__(fc1, fc2, activation, num_experts, topk)
+        if not hasattr(torch, "_grouped_mm"):
+            raise RuntimeError("torch._grouped_mm is not available in this torch")
+        self.w1 = fc1.detach().transpose(1, 2).contiguous().requires_grad_()  # [E, d, 2h]
+        self.w2 = fc2.detach().transpose(1, 2).contiguous().requires_grad_()  # [E, h, d]
+
+    def params(self):
+        return [self.w1, self.w2]
+
+    def __call__(self, x, ids, probs):
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.K
+        offs = torch.bincount(flat, minlength=self.E).cumsum(0).to(torch.int32)
+        xs = x[tokens]
+        a = torch._grouped_mm(xs, self.w1, offs=offs)
+        if self.activation == "swiglu":
+            gate, up = a.chunk(2, dim=-1)
+            a = F.silu(gate) * up
+        else:
+            a = F.silu(a) if self.activation == "silu" else F.gelu(a)
+        o = torch._grouped_mm(a, self.w2, offs=offs)
+        o = o * probs.reshape(-1)[order, None].to(o.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, o)
+
+
+class MegatronSequential(Impl):
+    """Megatron-Core's MoELayer stages (alltoall dispatcher + SequentialMLP), routing given."""
+
+    name = "megatron_sequential"
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        super().__init__(fc1, fc2, activation, num_experts, topk)
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        if not torch.distributed.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29533")
+            torch.distributed.init_process_group("nccl" if fc1.is_cuda else "gloo", rank=0, world_size=1)
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel()
+        E, h2, d = fc1.shape
+        h = fc2.shape[2]
+        config = TransformerConfig(
+            num_layers=1, hidden_size=d, ffn_hidden_size=h, moe_ffn_hidden_size=h,
+            num_attention_heads=8, num_moe_experts=E, moe_router_topk=topk,
+            moe_token_dispatcher_type="alltoall", gated_linear_unit=activation == "swiglu",
+            activation_func=F.gelu if activation == "gelu" else F.silu, add_bias_linear=False,
+            bf16=fc1.dtype == torch.bfloat16, params_dtype=fc1.dtype, moe_aux_loss_coeff=0.0,
+            use_cpu_initialization=True, perform_initialization=False,
+        )
+        spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False).submodules.mlp
+        # megatron-core 0.19 writes submodule specs as functools.partial, older ones as ModuleSpec.
+        layer = build_module(spec, config=config) if isinstance(spec, ModuleSpec) else spec(config=config)
+        self.layer = layer.to(fc1.device)
+        with torch.no_grad():
+            for e, expert in enumerate(self.layer.experts.local_experts):
+                expert.linear_fc1.weight.copy_(fc1[e])
+                expert.linear_fc2.weight.copy_(fc2[e])
+
+    def params(self):
+        return [p for p in self.layer.experts.parameters()]
+
+    def __call__(self, x, ids, probs):
+        T = x.shape[0]
+        routing_map = torch.zeros(T, self.E, dtype=torch.bool, device=x.device)
+        routing_map.scatter_(1, ids, True)
+        dense_probs = torch.zeros(T, self.E, dtype=probs.dtype, device=x.device).scatter(1, ids, probs)
+        layer = self.layer
+        hidden, p = layer.preprocess(x.view(T, 1, -1), dense_probs, routing_map)
+        hidden, p = layer.dispatch(hidden, p)
+        out, _ = layer.routed_experts_compute(hidden, p)
+        out = layer.combine(out)
+        return layer.postprocess(out, None).view(T, -1)
+
+
+class MegaBlocks(Impl):
+    name = "megablocks"
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        super().__init__(fc1, fc2, activation, num_experts, topk)
+        from megablocks.layers.arguments import Arguments
+        from megablocks.layers.dmoe import ParallelDroplessMLP
+
+        E, h2, d = fc1.shape
+        h = fc2.shape[2]
+        glu = activation == "swiglu"
+        args = Arguments(
+            hidden_size=d, ffn_hidden_size=h, moe_num_experts=E, moe_top_k=topk, bias=False,
+            return_bias=False, mlp_impl="grouped", mlp_type="glu" if glu else "mlp",
+            activation_fn=F.gelu if activation == "gelu" else F.silu, bf16=fc1.dtype == torch.bfloat16,
+            moe_loss_weight=0.0, device=fc1.device,
+        )
+        # Its grouped GEMM wants bf16 weights; the layer is built in float32 whatever args.bf16 says.
+        self.mlp = ParallelDroplessMLP(args).to(device=fc1.device, dtype=fc1.dtype)
+        with torch.no_grad():
+            m = self.mlp.mlp
+            m.w1.copy_(fc1[:, :h].reshape(E * h, d))
+            if glu:
+                m.v1.copy_(fc1[:, h:].reshape(E * h, d))
+            m.w2.copy_(fc2.transpose(1, 2).reshape(E * h, d))
+
+    def params(self):
+        return [p for p in self.mlp.parameters()]
+
+    def __call__(self, x, ids, probs):
+        T = x.shape[0]
+        scores = torch.zeros(T, self.E, dtype=probs.dtype, device=x.device)  # only used by its aux loss
+        out = self.mlp(x.view(T, 1, -1), scores, probs.to(x.dtype), ids)
+        return (out[0] if isinstance(out, tuple) else out).view(T, -1)
+
+
+class Liger(Impl):
+    name = "liger"
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        super().__init__(fc1, fc2, activation, num_experts, topk)
+        if activation != "swiglu":
+            raise RuntimeError("Liger-Kernel's fused MoE is SwiGLU only")
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+        self.fn = LigerFusedMoEFunction
+        self.fc1 = fc1.detach().clone().requires_grad_()
+        self.fc2 = fc2.detach().clone().requires_grad_()
+
+    def params(self):
+        return [self.fc1, self.fc2]
+
+    def __call__(self, x, ids, probs):
+        return self.fn.apply(x, self.fc1, self.fc2, ids.to(torch.int32), probs.to(x.dtype))
+
+
+class ScatterMoE(Impl):
+    name = "scattermoe"
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        super().__init__(fc1, fc2, activation, num_experts, topk)
+        import scattermoe.mlp as smlp
+
+        E, h2, d = fc1.shape
+        h = fc2.shape[2]
+        act = torch.nn.GELU() if activation == "gelu" else torch.nn.SiLU()
+        if activation == "swiglu":
+            self.mlp = smlp.GLUMLP(d, h, E, topk, activation=act)
+            # ScatterMoE's GLU is [up | gate].
+            first = torch.cat([fc1[:, h:], fc1[:, :h]], dim=1)
+        else:
+            self.mlp = smlp.MLP(d, h, E, topk, activation=act)
+            first = fc1
+        self.mlp = self.mlp.to(device=fc1.device, dtype=fc1.dtype)
+        with torch.no_grad():
+            self.mlp.experts.weight.copy_(first)
+            self.mlp.output_experts.weight.copy_(fc2)
+
+    def params(self):
+        return [p for p in self.mlp.parameters()]
+
+    def __call__(self, x, ids, probs):
+        return self.mlp(x, probs.to(x.dtype), ids)
+
+
+IMPL_CLASSES = {c.name: c for c in (MoEBlaze, MoEBlazeFc1, GroupedMM, MegatronSequential, MegaBlocks, Liger, ScatterMoE)}
+
+
+def map_grads(impl, grads):
+    """An implementation's parameter gradients, mapped back to [E, 2h|h, d] / [E, d, h]."""
+    p = grads
+    if isinstance(impl, (MoEBlaze, Liger)):
+        return p[0], p[1]
+    if isinstance(impl, GroupedMM):
+        return p[0].transpose(1, 2), p[1].transpose(1, 2)
+    if isinstance(impl, MegatronSequential):
+        experts = impl.layer.experts.local_experts
+        return (torch.stack([e.linear_fc1.weight.grad for e in experts]),
+                torch.stack([e.linear_fc2.weight.grad for e in experts]))
+    if isinstance(impl, MegaBlocks):
+        m = impl.mlp.mlp
+        E = impl.E
+        w1 = m.w1.grad.view(E, -1, m.w1.shape[1])
+        fc1 = torch.cat([w1, m.v1.grad.view(E, -1, m.w1.shape[1])], dim=1) if impl.activation == "swiglu" else w1
+        return fc1, m.w2.grad.view(E, -1, m.w2.shape[1]).transpose(1, 2)
+    if isinstance(impl, ScatterMoE):
+        g1 = impl.mlp.experts.weight.grad
+        if impl.activation == "swiglu":
+            h = g1.shape[1] // 2
+            g1 = torch.cat([g1[:, h:], g1[:, :h]], dim=1)
+        return g1, impl.mlp.output_experts.weight.grad
+    raise TypeError(type(impl))

@@ -1,0 +1,76 @@
+"""The MoE layer shapes every benchmark names, and one layer's random inputs.
+
+A shape is (T tokens, d hidden, h expert ffn hidden, E experts, K top-k). conf3 and conf4 are the
+MoEBlaze paper's published configs (T = batch * seq as DESIGN.md measured them); the paper does
+not publish conf1's T nor conf2/5/6/7 at all: those are filled from its stated ranges (d in
+{512,1024,2048}, E in {4,8,16}, k in {1,2,4}, B in {16,32}, L in {512,1024,2048}, h = 4d) and
+labelled "filled".
+"""
+
+from __future__ import annotations
+
+import sys
+
+import math
+
+import torch
+
+CONFIGS = {
+    "conf1": (16 * 512, 512, 2048, 4, 1),
+    "conf2(filled)": (16 * 1024, 512, 2048, 8, 2),
+    "conf3": (16 * 1024, 1024, 4096, 16, 4),
+    "conf4": (32 * 1024, 2048, 8192, 16, 4),
+    "conf5(filled)": (32 * 1024, 1024, 4096, 8, 2),
+    "conf6(filled)": (16 * 2048, 2048, 8192, 8, 2),
+    "conf7(filled)": (32 * 2048, 512, 2048, 16, 4),
+    "qwen3-30b-like": (32768, 2048, 768, 128, 8),
+    "7b-fine-grained": (24576, 1536, 256, 128, 8),
+    "dsv3-like": (8192, 7168, 2048, 256, 8),
+}
+ALIASES = {"conf2": "conf2(filled)", "conf5": "conf5(filled)", "conf6": "conf6(filled)",
+           "conf7": "conf7(filled)", "qwen3": "qwen3-30b-like", "7b": "7b-fine-grained", "dsv3": "dsv3-like"}
+
+
+def config_name(name: str) -> str:
+    """The CONFIGS key a name or alias stands for (unknown names are returned as given)."""
+    return ALIASES.get(name, name)
+
+
+def config_names(comma_list: str) -> list[str]:
+    """The CONFIGS keys of a comma list of names and aliases (empty items skipped)."""
+    return [config_name(c) for c in comma_list.split(",") if c]
+
+
+def known_config_names(comma_list: str, prog: str) -> list[str]:
+    """``config_names(comma_list)``, or exit naming ``prog`` and the known configs if one is none."""
+    configs = config_names(comma_list)
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        sys.exit(f"{prog}: unknown configs {unknown}; known: {list(CONFIGS)}")
+    return configs
+
+
+def flops_fwdbwd(T, d, h, K, activation):
+    """Forward+backward FLOPs of one layer's expert GEMMs."""
+    # fc1 is 2h wide for SwiGLU: 6 GEMM passes of T*K*d*h*2 FLOPs (fwd 2, bwd 4) per projection.
+    return (18 if activation == "swiglu" else 12) * T * K * d * h
+
+
+def floor_bytes(T, d, h, K, activation):
+    """The least a layer keeps for backward without recomputing fc1 (bf16): x and the
+    pre-activations (two halves for SwiGLU)."""
+    return 2 * T * d + (4 if activation == "swiglu" else 2) * T * K * h
+
+
+def make_inputs(T, d, h, E, K, activation, dtype, device, seed):
+    """(x [T, d], top-k ids [T, K], their softmax probabilities, fc1 [E, 2h|h, d], fc2 [E, d, h])
+    drawn from ``seed``, scaled so that pre-activations and outputs are O(1)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(T, d, device=device, dtype=dtype, generator=g)
+    logits = torch.randn(T, E, device=device, generator=g)
+    top, ids = logits.topk(K, dim=1)
+    probs = torch.softmax(top, dim=1)
+    rows = 2 * h if activation == "swiglu" else h
+    fc1 = (torch.randn(E, rows, d, device=device, generator=g) / math.sqrt(d)).to(dtype)
+    fc2 = (torch.randn(E, d, h, device=device, generator=g) / math.sqrt(h)).to(dtype)
+    return x, ids, probs, fc1, fc2

@@ -1,0 +1,124 @@
+"""kernels/configs.py: the GPU tile-config lists of the expert GEMMs and their pruning (checked
+without a GPU: the lists are plain data; the interpreter runs its own single config), the config
+labels and the autotuner's picks (kernels/tuning.py), and the MOEBLAZE_AUTOTUNE knob."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeblaze_megatron.kernels import configs as cf
+from moeblaze_megatron.kernels import row_gemm, tuning, weight_grad
+from moeblaze_megatron.kernels.knobs import KNOBS, read_knobs
+
+
+@pytest.fixture
+def gpu_lists(monkeypatch):
+    # The lists a GPU builds with MOEBLAZE_AUTOTUNE unset (autotuning on).
+    monkeypatch.setattr(KNOBS, "interpret", False)
+    monkeypatch.setattr(KNOBS, "autotune", True)
+
+
+def _prune(configs, epilogue, activation):
+    return cf.prune_row_gemm(configs, {}, EPILOGUE=epilogue, ACT=cf.ACTIVATION_IDS[activation])
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "silu", "gelu"])
+@pytest.mark.parametrize("autotune", ["1", "0"])
+def test_activation_backward_runs_one_config(gpu_lists, monkeypatch, activation, autotune):
+    # The router gradient's partial sums follow the column tiles: one config, so one tile width,
+    # keeps it bitwise the same run to run, whatever the autotuner's timings.
+    monkeypatch.setattr(KNOBS, "autotune", autotune == "1")
+    configs = cf.row_gemm_configs()
+    (kept,) = _prune(configs, cf.EPI_ACT_BWD, activation)
+    assert kept.kwargs["BLOCK_N"] == cf.ACT_BWD_BLOCK_N == 256
+    if autotune == "1":
+        assert cf.config_label(kept) == "128x256x64/g8/w8/s4"  # the measured best (ACT_BWD_BLOCK_N)
+
+
+def test_swiglu_forward_stays_within_128_columns(gpu_lists):
+    configs = cf.row_gemm_configs()
+    kept = _prune(configs, cf.EPI_ACT_FWD, "swiglu")
+    assert kept and all(c.kwargs["BLOCK_N"] <= 128 for c in kept)
+    assert len(_prune(configs, cf.EPI_ACT_FWD, "silu")) == len(configs)
+    assert max(c.kwargs["BLOCK_N"] for c in configs) > 128
+
+
+def test_plain_gemms_time_neither_128x128_tile(gpu_lists):
+    configs = cf.row_gemm_configs()
+    for activation in ("swiglu", "gelu"):
+        kept = _prune(configs, cf.EPI_STORE, activation)
+        assert {cf.config_label(c) for c in kept} == {
+            "128x256x64/g8/w8/s4", "128x256x64/g8/w8/s4/p", "128x256x64/g8/w8/s3/p",  # the wide tiles stay
+            "128x64x64/g8/w8/s4", "64x128x64/g8/w4/s4",  # and the narrow ones, for experts with few rows
+        }
+
+
+def test_rows_through_descriptors_drop_persistent_four_stage_tiles(gpu_lists):
+    # C's TMA store buffer does not fit beside a persistent program's four stages.
+    configs = cf.row_gemm_configs()
+    pointers = cf.prune_row_gemm(configs, {}, EPILOGUE=cf.EPI_STORE, ACT=cf.ACT_SWIGLU, TMA_ROWS=False)
+    kept = cf.prune_row_gemm(configs, {}, EPILOGUE=cf.EPI_STORE, ACT=cf.ACT_SWIGLU, TMA_ROWS=True)
+    dropped = [c for c in pointers if c not in kept]
+    assert dropped and all(c.kwargs["PERSISTENT"] and c.num_stages >= 4 for c in dropped)
+    assert any(c.kwargs["PERSISTENT"] for c in kept)  # the three-stage persistent tiles stay
+
+
+def test_no_autotune_gives_one_config_per_epilogue(gpu_lists, monkeypatch):
+    monkeypatch.setattr(KNOBS, "autotune", False)
+    configs = cf.row_gemm_configs()
+    (wgrad,) = cf.weight_grad_configs()
+    picked = {}
+    for epilogue in (cf.EPI_STORE, cf.EPI_ACT_FWD, cf.EPI_ACT_BWD):
+        for activation in ("swiglu", "silu"):
+            (picked[epilogue, activation],) = _prune(configs, epilogue, activation)
+    # 256 columns but for the SwiGLU forward (both halves of a 128-wide tile).
+    assert picked[cf.EPI_ACT_FWD, "swiglu"].kwargs["BLOCK_N"] == 128
+    assert {c.kwargs["BLOCK_N"] for k, c in picked.items() if k != (cf.EPI_ACT_FWD, "swiglu")} == {256}
+    assert all(c.kwargs["BLOCK_K"] == 32 for c in picked.values())  # fits shared memory in float32
+    assert wgrad.kwargs["BLOCK_K"] == 32
+
+
+@pytest.mark.parametrize("gather_a,gather_b", [(True, False), (False, True), (False, False)])
+def test_weight_gradients_time_only_tiles_long_on_the_expert_order_operand(gpu_lists, gather_a, gather_b):
+    configs = cf.weight_grad_configs()
+    kept = cf.prune_weight_grad(configs, {}, GATHER_A=gather_a, GATHER_B=gather_b)
+    if gather_a == gather_b:
+        assert kept == configs
+        return
+    ordered, other = ("BLOCK_N", "BLOCK_M") if gather_a else ("BLOCK_M", "BLOCK_N")
+    assert all(c.kwargs[ordered] >= c.kwargs[other] for c in kept)
+    assert any(c.kwargs[ordered] > c.kwargs[other] for c in kept) and len(kept) < len(configs)
+    assert len(kept) >= 2  # still something to tune (depth, stages)
+    # A list with no config of that orientation keeps them all rather than none.
+    square_free = [c for c in configs if c.kwargs[ordered] < c.kwargs[other]]
+    assert cf.prune_weight_grad(square_free, {}, GATHER_A=gather_a, GATHER_B=gather_b) == square_free
+
+
+def test_autotune_switch_refuses_other_values():
+    with pytest.raises(ValueError, match="MOEBLAZE_AUTOTUNE must be 0 or 1, got 'false'"):
+        read_knobs({"MOEBLAZE_AUTOTUNE": "false"})
+
+
+def test_config_labels_and_the_autotuners_picks(monkeypatch):
+    import triton
+
+    row = triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4)
+    wgrad = triton.Config({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8, num_stages=5)
+    assert cf.config_label(row) == "128x256x64/g8/w8/s4"
+    assert cf.config_label(wgrad) == "256x128x32/g-/w8/s5"
+    monkeypatch.setattr(row_gemm.row_gemm_kernel, "cache", {(768, 2048): row})
+    monkeypatch.setattr(weight_grad.weight_grad_kernel, "cache", {(2048, 1536): wgrad})
+    assert tuning.autotune_picks() == {
+        "row_gemm_kernel(768, 2048)": "128x256x64/g8/w8/s4",
+        "weight_grad_kernel(2048, 1536)": "256x128x32/g-/w8/s5",
+    }
+
+
+def test_ds_width_follows_the_activation_backward_tiles(gpu_lists, monkeypatch):
+    # The router-gradient partials are one column per tile the activation backward runs (256
+    # wide), not per tile of the narrowest config in the list (64): no zero columns to fill and sum.
+    configs = cf.row_gemm_configs()
+    assert min(c.kwargs["BLOCK_N"] for c in configs) < cf.ACT_BWD_BLOCK_N
+    monkeypatch.setattr(row_gemm.row_gemm_kernel, "configs", configs)
+    assert row_gemm.row_gemm_ds_tiles(768) == 768 // cf.ACT_BWD_BLOCK_N == 3
+    assert row_gemm.row_gemm_ds_tiles(200) == 1

@@ -1,0 +1,78 @@
+"""scripts/bench_layer.py's report (markdown table from saved records) runs without a GPU and
+says what the records say: speed against the best peer, host time where recorded, errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "bench_layer.py"
+
+
+def _record(impl, ms, **extra):
+    return dict(config="qwen3-30b-like", T=64, d=16, h=8, E=4, K=2, activation="swiglu", impl=impl,
+                ms_fwd=ms / 3, ms_fwdbwd=ms, tflops=100.0, pct_of_matmul=20.0, saved_bytes=2**20,
+                floor_bytes=2**20, peak_bytes=3 * 2**20, check_ok=True, **extra)
+
+
+def test_report_only_rewrites_the_table(tmp_path):
+    meta = dict(gpu="test GPU", torch="t", triton="t", date="2026-11-29", command="python scripts/bench_layer.py",
+                matmul_peak_tflops=500.0, matmul_sustained_tflops=400.0, env={"MOEBLAZE_AUTOTUNE": "0"},
+                timing=dict(min_reps=5, seconds=2.0, warmup_seconds=1.0))
+    records = [
+        _record("moeblaze", 5.0, host_ms_fwdbwd=1.25, ms_fwdbwd_queued=4.5, pct_of_sustained_matmul=25.0),
+        _record("grouped_mm", 10.0),  # a record from before host time was measured
+        _record("scattermoe", 7.5, host_ms_fwdbwd=7.0),
+        dict(config="qwen3-30b-like", activation="swiglu", impl="liger", error="OOM"),
+    ]
+    saved = tmp_path / "layer.json"
+    saved.write_text(json.dumps(dict(meta=meta, notes=["megablocks: not run (ImportError)"], records=records)))
+    done = subprocess.run([sys.executable, str(SCRIPT), "--report-only", str(saved)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    table = (tmp_path / "layer.md").read_text()
+    rows = {line.split(" | ")[2]: line.split(" | ") for line in table.splitlines() if line.startswith("| qwen3")}
+    header = next(line for line in table.splitlines() if line.startswith("| config")).split(" | ")
+    col = {name.strip("| "): i for i, name in enumerate(header)}
+    # The best peer is ScatterMoE (7.5 ms): moeblaze 1.50x, grouped_mm 0.75x.
+    assert rows["moeblaze"][col["vs best peer"]] == "1.50x"
+    assert rows["grouped_mm"][col["vs best peer"]] == "0.75x"
+    assert rows["moeblaze"][col["host ms"]] == "1.25"
+    assert rows["grouped_mm"][col["host ms"]] == "-"
+    assert rows["moeblaze"][col["queued ms"]] == "4.50"
+    assert rows["scattermoe"][col["queued ms"]] == "-"
+    assert rows["moeblaze"][col["% matmul"]] == "20%"
+    assert rows["moeblaze"][col["% sustained"]] == "25%"
+    assert rows["grouped_mm"][col["% sustained"]] == "-"  # a record from before the sustained rate
+    assert "500 TFLOP/s in a burst, 400 sustained." in table
+    assert "median of at least 5 steps timed over at least 2 s, after 1 s of warm-up" in table
+    assert rows["liger"][-1].strip("| ") == "OOM"
+    assert len(rows["liger"]) == len(header)
+    assert "megablocks: not run" in table
+    assert "Command: `python scripts/bench_layer.py` with MOEBLAZE_AUTOTUNE=0" in table
+
+
+def refusal(*argv):
+    """bench_layer.py's exit status and stderr for a command line it should refuse."""
+    done = subprocess.run([sys.executable, str(SCRIPT), *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)
+    return done.returncode, done.stderr
+
+
+@pytest.mark.parametrize("flag", ["--seconds", "--warmup-seconds"])
+def test_negative_timing_is_refused_by_name(flag):
+    returncode, stderr = refusal(flag, "-1")
+    assert returncode == 1
+    assert re.search("--seconds and --warmup-seconds must be >= 0", stderr), stderr[-2000:]
+
+
+def test_no_timed_steps_is_refused_by_name():
+    returncode, stderr = refusal("--reps", "0")
+    assert returncode == 1
+    assert re.search("--reps must be at least 1 .*, got 0", stderr), stderr[-2000:]

@@ -1,0 +1,164 @@
+"""compare_dispatchers.py's loss check, memory search (benchlib.dispatcher_compare and
+benchlib.memory_search), verdict and command line. (The training loop it drives is tested in
+tests/training/test_train_loop.py.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from benchlib import dispatcher_compare as compare
+from benchlib.memory_search import largest_fitting, search_memory
+
+REPO = Path(__file__).resolve().parents[2]
+# fp32 losses of two dispatchers from the same weights differ only by summation order in the
+# MoE layers (a few ulps, 1e-7 relative); after a handful of steps that grows to ~1e-6. 1e-5
+# relative still catches a wrong expert, probability or weight mapping (differences of 1e-2+).
+LOSS_RTOL = 1e-5
+
+
+def test_loss_check_tolerance():
+    fp32_u, bf16_u = 2.0**-24, 2.0**-8
+    baseline = [6.0, 5.0, 4.0, 3.0]
+    control = [6.0, 5.0 + 1e-3, 4.0, 3.0]  # the control diverged by 1e-3 at step 2
+    same = compare.loss_check(baseline, list(baseline), control, fp32_u, 256)
+    assert same["passed"] and same["worst_diff_over_tolerance"] == 0.0
+    within = compare.loss_check(baseline, [6.0, 5.0, 4.0 + 3.9e-3, 3.0], control, fp32_u, 256)  # < 4 x envelope
+    assert within["passed"]
+    beyond = compare.loss_check(baseline, [6.0, 5.0, 4.0 + 4.1e-3, 3.0], control, fp32_u, 256)
+    assert not beyond["passed"] and beyond["worst_diff_over_tolerance"] > 1.0
+    # Before the control diverges the floor applies. fp32: 4 float32 ulps of the loss (ulp(6) = 2**-21).
+    ulp6 = 2.0**-21
+    assert compare.loss_check(baseline, [6.0 + 3 * ulp6, 5.0, 4.0, 3.0], control, fp32_u, 256)["passed"]
+    assert not compare.loss_check(baseline, [6.0 + 5 * ulp6, 5.0, 4.0, 3.0], control, fp32_u, 256)["passed"]
+    # bf16 over 4096 tokens: 4 * 2**-8 * 6 / 64 ~ 1.5e-3.
+    assert compare.loss_check(baseline, [6.0 + 1.4e-3, 5.0, 4.0, 3.0], control, bf16_u, 4096)["passed"]
+    assert not compare.loss_check(baseline, [6.0 + 1.6e-3, 5.0, 4.0, 3.0], control, bf16_u, 4096)["passed"]
+
+
+@pytest.mark.parametrize("threshold,start,granule", [(37, 2, 1), (1, 4, 1), (5000, 4096, 256), (0, 2, 1), (10**9, 2, 1)])
+def test_largest_fitting_search(threshold, start, granule):
+    probed = []
+
+    def fits(value):
+        probed.append(value)
+        return value <= threshold
+
+    cap = 64 * start
+    found = largest_fitting(fits, start, granule, cap, time.perf_counter() + 60)
+    want = min(threshold // granule * granule, cap // granule * granule)
+    if want < granule:
+        assert found["largest_fitting"] is None and found["smallest_failing"] == granule
+    elif threshold >= cap:
+        assert found["capped"] and found["largest_fitting"] > cap // 2
+    else:
+        assert found["largest_fitting"] == want and found["smallest_failing"] == want + granule
+    assert all(v % granule == 0 and granule <= v <= cap for v in probed)
+    assert len(probed) <= 2 * cap.bit_length() + 2
+    assert not found["time_limited"]
+
+
+def test_largest_fitting_stops_at_deadline():
+    found = largest_fitting(lambda v: True, 1, 1, 1 << 20, time.perf_counter() - 1)
+    assert found["time_limited"] and found["largest_fitting"] is None
+
+
+def test_compare_dispatchers_cli(tmp_path):
+    """The README's command on the CPU, shortened: it trains both dispatchers and the control,
+    checks the resume, writes the JSON, markdown and PNG, and exits 0."""
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "compare_dispatchers.py"), "--device", "cpu", "--steps", "8",
+         "--seq-length", "32", "--data", "mock", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "losses agree" in result.stdout and "resumed under moeblaze" in result.stdout
+    report = json.loads((out / "compare.json").read_text())
+    assert report["loss_check"]["passed"] and report["resume"]["passed"]
+    runs = report["runs"]
+    assert [runs[k]["dispatcher"] for k in ("baseline", "candidate", "control")] == ["allgather", "moeblaze", "allgather"]
+    assert all(len(runs[k]["losses"]) == 8 for k in runs)
+    assert runs["baseline"]["losses"][0] == pytest.approx(runs["candidate"]["losses"][0], rel=LOSS_RTOL)
+    assert runs["candidate"]["saved_activation_bytes"] > 0 and runs["candidate"]["tokens_per_second"] > 0
+    markdown = (out / "report.md").read_text()
+    assert "| moeblaze |" in markdown and "## Losses (agree" in markdown and "## Resume (ok)" in markdown
+    assert (out / "losses.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_dispatchers_fails_on_divergence(tmp_path, monkeypatch, capsys):
+    """A candidate off the baseline's curve fails the run (exit status 1), and the report says so;
+    without --out the outputs go to runs/compare/<family>-<device> (git-ignored), and the run
+    says where."""
+    baseline, candidate, control = [6.0, 5.0, 4.0], [6.0, 5.5, 5.0], [6.0, 5.0, 4.0]
+
+    def diverging(args, device, progress):
+        runs = {name: {"dispatcher": d, "losses": losses, "step_seconds": [1.0] * 3, "tokens_per_step": 64,
+                       "median_step_seconds": 1.0, "tokens_per_second": 64.0, "saved_activation_bytes": 1}
+                for name, d, losses in (("baseline", "allgather", baseline), ("candidate", "moeblaze", candidate),
+                                        ("control", "allgather", control))}
+        return {"config": {"family": "tiny", "memory_budget_gib": 80.0}, "environment": {"device": "cpu"},
+                "runs": runs, "ratios": {"step_time_speedup": 1.0, "saved_activation_ratio": 1.0},
+                "loss_check": compare.loss_check(baseline, candidate, control, 2.0**-24, 64)}
+
+    assert compare.DEFAULT_OUT == REPO / "runs" / "compare"
+    assert "/runs/" in (REPO / ".gitignore").read_text().split()
+    monkeypatch.setattr(compare, "compare", diverging)
+    monkeypatch.setattr(compare, "DEFAULT_OUT", tmp_path / "runs")
+    args = argparse.Namespace(device="cpu", out=None)  # what the command line leaves unset is None
+    assert compare.run(args, "python scripts/compare_dispatchers.py --device cpu") == 1
+    out = tmp_path / "runs" / "tiny-cpu"
+    assert "## Losses (DIVERGE" in (out / "report.md").read_text()
+    printed = capsys.readouterr().out
+    assert f"outputs go to {out}/" in printed and f"wrote {out}/compare.json" in printed
+    assert "FAILED: losses diverge beyond rounding noise" in printed
+
+
+def test_search_memory_with_a_simulated_allocator(monkeypatch):
+    """search_memory's GPU bookkeeping on a stand-in device: a model of 40 GiB plus 1 GiB per
+    1024 tokens under an 80 GiB budget fits micro-batches up to 10 of 4096 tokens; larger probes
+    run out of memory (the allocator cap) and are reported as not fitting."""
+    gib = 2**30
+    state = {"fraction": 1.0, "peak": 0}
+    total = 140 * gib
+
+    class FakeTrainer:
+        device = torch.device("cuda", 0)
+
+        class args:
+            micro_batch_size, seq_length = 2, 4096
+
+        def random_batches(self, micro_batch_size, seq_length, generator):
+            return [(micro_batch_size, seq_length)]
+
+        def train_step(self, batches):
+            mbs, seq = batches[0]
+            need = 40 * gib + mbs * seq * gib // 1024
+            if need > state["fraction"] * total:
+                state["peak"] = int(state["fraction"] * total)
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            state["peak"] = max(state["peak"], need)
+
+    class Properties:
+        total_memory = total
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device: state.update(fraction=fraction))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: state.update(peak=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: state["peak"])
+    lines = []
+    found = search_memory(FakeTrainer(), "micro-batch", 80 * gib, 60.0, lines.append)
+    assert found["largest_fitting"] == 10 and found["smallest_failing"] == 11
+    assert state["fraction"] == 1.0  # the cap is lifted afterwards
+    assert all(p["fits"] == (p["value"] <= 10) for p in found["probes"])
+    assert all(p["peak_bytes"] <= 80 * gib for p in found["probes"])
+    assert len(lines) == len(found["probes"]) and "does not fit" in lines[-1] + lines[-2]
+    by_seq = search_memory(FakeTrainer(), "seq-length", 80 * gib, 60.0, lines.append)
+    assert by_seq["largest_fitting"] == 20480  # 2 x 20480 tokens = 40 GiB of activations

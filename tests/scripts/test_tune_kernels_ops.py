@@ -1,0 +1,100 @@
+"""scripts/tune_kernels.py's launches (benchlib.kernel_tuning), run once each on the CPU (Triton
+interpreted, bfloat16, a tiny layer, SwiGLU and SiLU): every op computes what its name says, so the
+GPU-only script cannot rot unseen; and benchlib's chunked relative error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from benchlib import kernel_tuning
+from benchlib.accuracy import rel_err
+from moe_testing import rel_error
+
+T, D, H, E, K = 48, 32, 16, 5, 2
+
+
+@pytest.fixture(scope="module", params=["swiglu", "silu"])
+def layer(request):
+    plan, references, ops, (x, fc1, rows) = kernel_tuning.layer_ops(T, D, H, E, K, seed=3, dev="cpu",
+                                                                    activation=request.param)
+    assert fc1.shape[1] == (2 * H if request.param == "swiglu" else H)
+    return plan, references, {op[0]: op for op in ops}, x
+
+
+def _run(ops, name):
+    _, _, kind, launch, outputs, reset = ops[name]
+    for t in outputs():
+        t.fill_(float("nan"))
+    reset()
+    launch(None)
+    return [t.clone() for t in outputs()]
+
+
+def test_every_op_writes_finite_outputs(layer):
+    _, _, ops, _ = layer
+    assert {"fc1_act", "fc2", "dh_act_bwd", "dw2", "dw1", "dw1_contiguous", "dw1_grouped_mm", "dw2_grouped_mm",
+            "dw1_pointer", "dw2_pointer", "dx", "fc2_grouped_mm", "dx_grouped_mm", "fc1_act_pointer",
+            "dh_act_bwd_pointer", "dx_pointer", "fc2_rows_pointer", "dx_rows_pointer"} <= set(ops)
+    for name in ops:
+        if name.endswith("_grouped_mm"):
+            continue  # returns a fresh tensor; checked below
+        for out in _run(ops, name):
+            assert torch.isfinite(out).all(), name
+
+
+def test_weight_gradient_ops_agree_with_a_float64_reduction(layer):
+    plan, references, ops, x = layer
+    dw1 = _run(ops, "dw1")[0]
+    # dW1 reduces d pre, which the dH launch writes over the saved pre-activations (its second output).
+    dpre = _run(ops, "dh_act_bwd")[1].double()
+    idx = plan.expert_token_indices.long()
+    offsets = plan.expert_token_offsets.tolist()
+    expected = torch.stack([dpre[lo:hi].T @ x.double()[idx[lo:hi]] for lo, hi in zip(offsets[:-1], offsets[1:])])
+    assert rel_error(dw1, expected) < 1e-2
+    grouped_mm = _run(ops, "dw1_grouped_mm")[0]
+    assert grouped_mm.shape == dw1.shape
+    assert rel_error(grouped_mm, references["dw1_grouped_mm"][0]) < 1e-2
+    dw2_grouped_mm = _run(ops, "dw2_grouped_mm")[0]
+    assert dw2_grouped_mm.shape == references["dw2_grouped_mm"][0].shape
+    assert rel_error(dw2_grouped_mm, references["dw2_grouped_mm"][0]) < 1e-2
+
+
+def test_pointer_load_diagnostics_give_the_kernels_bits(layer):
+    _, references, ops, _ = layer
+    for pointer_op, plain_op in (("dw1_pointer", "dw1"), ("dw2_pointer", "dw2")):
+        assert torch.equal(_run(ops, pointer_op)[0], _run(ops, plain_op)[0]), pointer_op
+        assert torch.equal(references[pointer_op][0], _run(ops, plain_op)[0]), pointer_op
+
+
+@pytest.mark.parametrize("name", ["fc2_grouped_mm", "dx_grouped_mm"])
+def test_grouped_mm_row_diagnostics_agree_with_the_kernels(layer, name):
+    _, references, ops, _ = layer
+    out = _run(ops, name)[0]
+    assert out.shape == references[name][0].shape and torch.isfinite(out).all()
+    assert rel_error(out, references[name][0]) < 1e-2
+    assert rel_error(out, _run(ops, name.removesuffix("_grouped_mm"))[0]) < 1e-2
+
+
+def test_pointer_diagnostics_give_the_tma_forms_bits(layer):
+    _, references, ops, _ = layer
+    for name in ("fc1_act_pointer", "dh_act_bwd_pointer", "dx_pointer", "fc2_rows_pointer", "dx_rows_pointer"):
+        got = _run(ops, name)
+        assert len(got) == len(references[name])
+        for out, ref in zip(got, references[name]):
+            assert torch.equal(out, ref), name
+
+
+def test_chunked_relative_error_matches_the_whole_tensor_formula():
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(7, 5, 3, generator=gen)
+    b = a + 0.01 * torch.randn(7, 5, 3, generator=gen)
+    whole = ((a.double() - b.double()).norm() / b.double().norm()).item()
+    for chunk in (1, 15, 16, 1 << 26):  # one row, exactly one slice, a slice and a bit, everything
+        assert abs(rel_err(a, b, chunk=chunk) - whole) < 1e-12 * whole
+
+
+def test_relative_error_of_zero_references_and_losses():
+    zero = torch.zeros(3, 2)
+    assert rel_err(zero, zero) == 0.0
+    assert rel_err(torch.ones(3, 2), zero) == float("inf")  # never a pass against a zero reference
+    assert rel_err(torch.tensor(1.5), torch.tensor(2.0)) == pytest.approx(0.25)  # a 0-dim loss
