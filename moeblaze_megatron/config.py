@@ -11,8 +11,10 @@ from dataclasses import dataclass
 __all__ = [
     "ACTIVATIONS",
     "BACKENDS",
+    "EP_MODES",
     "MoEBlazeConfig",
     "RECOMPUTE_MODES",
+    "RING_MODES",
     "ROUTING_METHODS",
     "activation_name",
     "activation_problem",
@@ -30,6 +32,11 @@ RECOMPUTE_MODES = ("activation", "fc1")
 ROUTING_METHODS = ("auto", "three_step", "sort", "torch")
 # The expert MLP implementation: fused Triton kernels, the pure-PyTorch reference, or by device.
 BACKENDS = ("auto", "triton", "reference")
+# How the experts run across expert-parallel ranks: tokens sent once per destination rank
+# (alltoall), RelayMoE's ring (weights or tokens circulate), or the ring whose hop moves fewer bytes.
+EP_MODES = ("alltoall", "ring", "auto")
+# What travels around the ring: the expert weight shards, or the token blocks.
+RING_MODES = ("expert", "token")
 
 
 @dataclass(frozen=True)
@@ -42,17 +49,22 @@ class MoEBlazeConfig:
     routing_method: how the routing plan is built (``build_routing_plan``'s methods).
     backend: the expert MLP implementation: ``"auto"`` (fused Triton kernels on CUDA, the PyTorch
         reference elsewhere), ``"triton"`` or ``"reference"``.
+    ep_mode: with expert parallelism, ``"alltoall"`` (each token sent once per destination rank),
+        ``"ring"`` (RelayMoE's ring; expert or token ring, whichever moves fewer bytes per hop) or
+        ``"auto"`` (today the same as ``"alltoall"``, until the ring is measured faster on GPUs).
     """
 
     recompute: str = "activation"
     routing_method: str = "auto"
     backend: str = "auto"
+    ep_mode: str = "alltoall"
 
     def __post_init__(self):
         for name, allowed in (
             ("recompute", RECOMPUTE_MODES),
             ("routing_method", ROUTING_METHODS),
             ("backend", BACKENDS),
+            ("ep_mode", EP_MODES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"MoEBlazeConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")

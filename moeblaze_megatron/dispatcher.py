@@ -14,7 +14,10 @@ activation recomputation (``moe_layer_recompute``) re-runs it like any other for
 nothing left to do.
 
 * EP = 1: N = T, the rows are the layer's own hidden states (a view, no copy).
-* EP > 1: each token travels once to every rank holding one of its experts
+* EP > 1, ``ep_mode="ring"``: nothing is exchanged here; the rows are the layer's hidden states
+  with their global expert ids, and the experts run RelayMoE's ring over the expert-parallel
+  group (``parallel.ring``).
+* EP > 1 otherwise: each token travels once to every rank holding one of its experts
   (``parallel.alltoall.TokenExchange``); the N received rows carry their local expert ids and
   probabilities, the partial outputs travel back and are summed per token in rank order.
 """
@@ -35,15 +38,18 @@ __all__ = ["ExpertRouting", "MoEBlazeTokenDispatcher", "routing_map_to_topk"]
 
 @dataclass(frozen=True)
 class ExpertRouting:
-    """What the experts need besides the rows: local expert ids [N, K] (-1 unused) and their plan."""
+    """What the experts need besides the rows: local expert ids [N, K] (-1 unused) and their plan;
+    in ring mode the global ids, no plan, and the expert-parallel group the ring runs on."""
 
     topk_ids: torch.Tensor
-    plan: RoutingPlan
+    plan: RoutingPlan | None
+    ring_group: object = None
 
     @property
-    def tokens_per_expert(self) -> torch.Tensor:
-        """[E_local] (token, expert) pairs per local expert, on device."""
-        return self.plan.tokens_per_expert
+    def tokens_per_expert(self) -> torch.Tensor | None:
+        """[E_local] (token, expert) pairs per local expert, on device (None in ring mode: each
+        hop's plan is built where it runs)."""
+        return None if self.plan is None else self.plan.tokens_per_expert
 
 
 def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
@@ -95,7 +101,10 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
         self.num_local_experts = num_local_experts
         self.local_expert_indices = local_expert_indices
         self.topk = config.moe_router_topk
-        self.routing_method = get_moeblaze_config(config).routing_method
+        options = get_moeblaze_config(config)
+        self.routing_method = options.routing_method
+        # "auto" runs the alltoall exchange until the ring is measured faster on GPUs.
+        self.ring = self.ep_size > 1 and options.ep_mode == "ring"
         self.hidden_shape = None
         self.topk_ids = None
         self.exchange = None
@@ -113,7 +122,7 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = hidden_states.shape
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
         topk_ids, topk_probs = routing_map_to_topk(routing_map, probs, self.topk)
-        if self.ep_size == 1:
+        if self.ep_size == 1 or self.ring:
             self.topk_ids = topk_ids
             return hidden_states, topk_probs
         self.exchange, send_ids, send_cols = plan_token_exchange(topk_ids, self.num_local_experts, self.ep_size)
@@ -123,7 +132,7 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
 
     def token_dispatch(self, hidden_states, probs):
         """EP > 1: all-to-all of the send rows, their local expert ids and probabilities."""
-        if self.ep_size == 1:
+        if self.ep_size == 1 or self.ring:
             return hidden_states, probs
         self.exchange.exchange_counts(self.ep_group)
         self.topk_ids = self.exchange.dispatch(self.topk_ids, self.ep_group)
@@ -131,6 +140,10 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
 
     def dispatch_postprocess(self, hidden_states, probs):
         """The routing plan over this rank's rows: ``(rows, ExpertRouting, topk_probs)``."""
+        if self.ring:
+            routing = ExpertRouting(self.topk_ids, None, self.ep_group)
+            self.topk_ids = None
+            return hidden_states, routing, probs
         plan = build_routing_plan(
             self.topk_ids, self.num_local_experts, method=self.routing_method, validate=False
         )
@@ -144,12 +157,12 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
 
     def token_combine(self, hidden_states):
         """EP > 1: each partial output goes back to its source rank."""
-        if self.ep_size == 1:
+        if self.ep_size == 1 or self.ring:
             return hidden_states
         return self.exchange.give_back(hidden_states, self.ep_group)
 
     def combine_postprocess(self, hidden_states):
         """EP > 1: per-token sum of the partials in rank order; restore the input's shape."""
-        if self.ep_size > 1:
+        if self.ep_size > 1 and not self.ring:
             hidden_states = self.exchange.combine(hidden_states)
         return hidden_states.view(self.hidden_shape)

@@ -24,6 +24,7 @@ import inspect
 
 from .config import (
     BACKENDS,
+    EP_MODES,
     RECOMPUTE_MODES,
     ROUTING_METHODS,
     MoEBlazeConfig,
@@ -81,6 +82,13 @@ def add_moeblaze_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         help="MoEBlaze expert MLP implementation: 'triton' (fused kernels), 'reference' (PyTorch), "
         "or 'auto' (Triton on CUDA).",
     )
+    group.add_argument(
+        "--moeblaze-ep-mode", choices=EP_MODES, default="alltoall",
+        help="With expert parallelism: 'alltoall' sends each token once per rank holding one of its "
+        "experts; 'ring' runs RelayMoE's ring (the expert weights or the tokens, whichever moves "
+        "fewer bytes per hop, circulate point to point; no dispatch buffer, only the layer input "
+        "kept for backward); 'auto' is 'alltoall' until the ring is measured faster on GPUs.",
+    )
     parse_known_args = parser.parse_known_args
 
     def parse_and_check(args=None, namespace=None):
@@ -117,6 +125,7 @@ def moeblaze_config_from_args(args) -> MoEBlazeConfig:
         recompute=getattr(args, "moeblaze_recompute", defaults.recompute),
         routing_method=getattr(args, "moeblaze_routing_method", defaults.routing_method),
         backend=getattr(args, "moeblaze_backend", defaults.backend),
+        ep_mode=getattr(args, "moeblaze_ep_mode", defaults.ep_mode),
     )
 
 

@@ -6,7 +6,7 @@ import torch
 
 from .config import ACTIVATIONS, BACKENDS, RECOMPUTE_MODES
 from .kernels.knobs import KNOBS
-from .reference import ReferenceMoEMLP
+from .reference import ReferenceMoEMLP, reference_backward, reference_forward
 from .routing import RoutingPlan, build_routing_plan, check_topk_ids
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -52,9 +52,7 @@ def moe_mlp(
     if x.shape[0] == 0:
         # Nothing routed; keep the graph connected so every input still gets a (zero) gradient.
         return x * 0 + 0 * (topk_probs.sum() + fc1_weight.sum() + fc2_weight.sum()).to(x.dtype)
-    if backend == "auto":
-        backend = "triton" if x.is_cuda and x.dtype in TRITON_DTYPES else "reference"
-    if backend == "triton":
+    if _resolved_backend(x, backend) == "triton":
         from .fused import TritonMoEMLP  # imports Triton: only when the kernels run
 
         return TritonMoEMLP.apply(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute)
@@ -131,3 +129,33 @@ def check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activati
     if backend == "triton" and not x.is_cuda and not KNOBS.interpret:
         raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     return num_experts
+
+
+def _resolved_backend(x: torch.Tensor, backend: str) -> str:
+    if backend == "auto":
+        return "triton" if x.is_cuda and x.dtype in TRITON_DTYPES else "reference"
+    return backend
+
+
+def expert_mlp_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation, backend, out_dtype=None):
+    """One forward pass of the op, outside autograd and saving nothing (a ring hop's): ``y`` in
+    ``out_dtype`` (x's by default). Arguments are checked by the caller."""
+    if _resolved_backend(x, backend) == "triton":
+        from .fused import fused_forward
+
+        return fused_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation, save_pre=False,
+                             out_dtype=out_dtype)[0]
+    return reference_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation, save_pre=False,
+                             out_dtype=out_dtype)[0]
+
+
+def expert_mlp_backward(grad_y, x, topk_probs, fc1_weight, fc2_weight, plan, activation, backend, needs):
+    """One backward pass of the op, recomputing the first GEMM (a ring hop's): ``(grad_x,
+    grad_probs, grad_fc1, grad_fc2)``, None where ``needs`` (four bools) says so."""
+    if _resolved_backend(x, backend) == "triton":
+        from .fused import fused_backward
+
+        return fused_backward(grad_y, x.contiguous(), plan.permute_probs(topk_probs.contiguous()), fc1_weight,
+                              fc2_weight, plan, activation, None, needs)
+    grads = reference_backward(grad_y, x, topk_probs, fc1_weight, fc2_weight, plan, activation, None)
+    return tuple(g if need else None for g, need in zip(grads, needs))

@@ -83,6 +83,15 @@ class RoutingPlan:
         used = (pos >= 0).view(*pos.shape, *([1] * (rows.dim() - 1)))
         return torch.where(used, rows[pos.clamp(min=0)], 0)
 
+    def trimmed(self, num_rows: int) -> RoutingPlan:
+        """The same plan with ``expert_token_indices`` cut to its first ``num_rows`` entries (the
+        used slots come first): a caller that knows how many slots are used (a ring hop) sizes its
+        expert-order buffers by them instead of T * K."""
+        if not 0 <= num_rows <= self.expert_token_indices.shape[0]:
+            raise ValueError(f"num_rows must be in [0, {self.expert_token_indices.shape[0]}], got {num_rows}")
+        return RoutingPlan(self.expert_token_indices[:num_rows], self.expert_token_offsets,
+                           self.token_expert_indices, self.token_index_map)
+
     def to(self, device) -> RoutingPlan:
         return RoutingPlan(*(t.to(device) for t in self.tensors()))
 

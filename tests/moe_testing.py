@@ -8,8 +8,14 @@ conftest.py.
 
 from __future__ import annotations
 
+import faulthandler
+import multiprocessing
 import os
+import queue as queue_module
+import socket
+import traceback
 
+import pytest
 import torch
 import torch.nn.functional as F
 import triton
@@ -393,3 +399,58 @@ def dense_reference_and_grads(problem: dict, activation: str, grad_y: torch.Tens
             out_norm = torch.where(ids == e, out.norm(dim=1)[:, None], out_norm)
         scales["topk_probs"] = (grad_y.double().norm(dim=1)[:, None] * out_norm).norm().item()
     return y.detach(), grads, scales
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-process runs (gloo on the CPU)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+
+def _worker(rank, world_size, port, fn, args, queue, timeout):
+    # A rank stuck in a collective prints where it is (pytest shows it as captured stderr).
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    try:
+        result = fn(rank, world_size, port, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - the parent reports every rank's failure
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0):
+    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` spawned processes; returns the
+    list of their results by rank, or fails with every failing rank's traceback.
+
+    ``fn`` must be importable (a module-level function of a test module)."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, queue, timeout))
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    try:
+        while len(results) + len(errors) < world_size:
+            # Once a rank has failed the others may wait forever in a collective: give them a
+            # few seconds to report their own failure, then stop.
+            rank, status, payload = queue.get(timeout=5.0 if errors else timeout + 10)
+            (results if status == "ok" else errors)[rank] = payload
+    except queue_module.Empty:
+        missing = sorted(set(range(world_size)) - set(results) - set(errors))
+        errors.setdefault(-1, f"ranks {missing} did not finish (hung or killed)")
+    finally:
+        for p in procs:
+            p.join(timeout=1 if errors else 10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        pytest.fail("\n".join(f"rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
+    return [results[r] for r in range(world_size)]

@@ -9,17 +9,13 @@ what they need from here, fixtures included, as the other tests import tests/moe
 from __future__ import annotations
 
 import contextlib
-import faulthandler
-import multiprocessing
-import queue as queue_module
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import moeblaze_megatron
+from moe_testing import free_port
 from moeblaze_megatron.training.cpu_shims import enable_cpu_megatron
 
 # Relative-error bars against a float64 evaluation of the same model (the "oracle"): fp32 paths
@@ -27,12 +23,6 @@ from moeblaze_megatron.training.cpu_shims import enable_cpu_megatron
 # bf16 paths round every intermediate to 8 bits (u = 2**-9 ~ 2e-3), several roundings in sequence
 # give a few times u; 8 u catches any routing or indexing mistake (errors of order 1).
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 8 * 2.0**-9}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -153,46 +143,4 @@ def copy_parameters(source: torch.nn.Module, target: torch.nn.Module) -> None:
 # Multi-process runs
 
 
-def _worker(rank, world_size, port, fn, args, queue, timeout):
-    # A rank stuck in a collective prints where it is (pytest shows it as captured stderr).
-    faulthandler.dump_traceback_later(timeout, exit=True)
-    try:
-        result = fn(rank, world_size, port, *args)
-        queue.put((rank, "ok", result))
-    except BaseException:  # noqa: BLE001 - the parent reports every rank's failure
-        queue.put((rank, "error", traceback.format_exc()))
-
-
-def run_distributed(fn, world_size: int, *args, timeout: float = 240.0):
-    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` spawned processes; returns the
-    list of their results by rank, or fails with every failing rank's traceback.
-
-    ``fn`` must be importable (a module-level function of a test module)."""
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, queue, timeout))
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results, errors = {}, {}
-    try:
-        while len(results) + len(errors) < world_size:
-            # Once a rank has failed the others may wait forever in a collective: give them a
-            # few seconds to report their own failure, then stop.
-            rank, status, payload = queue.get(timeout=5.0 if errors else timeout + 10)
-            (results if status == "ok" else errors)[rank] = payload
-    except queue_module.Empty:
-        missing = sorted(set(range(world_size)) - set(results) - set(errors))
-        errors.setdefault(-1, f"ranks {missing} did not finish (hung or killed)")
-    finally:
-        for p in procs:
-            p.join(timeout=1 if errors else 10)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        pytest.fail("\n".join(f"rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
-    return [results[r] for r in range(world_size)]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from benchlib.ep_bench import search_sequence
-from megatron_testing import free_port
+from moe_testing import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_expert_parallel.py"
 

@@ -10,13 +10,13 @@ import os
 import pytest
 import torch
 
+from moe_testing import run_distributed
 from megatron_testing import (
     build_gpt,
     build_moe_layer,
     cpu_megatron,  # noqa: F401 - fixture
     megatron_on_cpu,
     moe_config,
-    run_distributed,
     seed_everything,
 )
 from moeblaze_megatron.experts import MoEBlazeGroupedMLP

@@ -4,7 +4,8 @@ Each rank builds the full layer at EP = 1 (every expert, identical global weight
 and the EP layer holding its slice of the experts with the same weights, runs both on its own
 tokens, and compares outputs and gradients: input and router gradients per rank, expert
 gradients after summing the EP = 1 gradients over ranks (the EP layer's expert gradients already
-gather every rank's tokens). The stock allgather dispatcher at the same EP size is a second
+gather every rank's tokens). The ring mode (``--moeblaze-ep-mode ring``: RelayMoE's ring, no
+exchange) is checked the same way. The stock allgather dispatcher at the same EP size is a second
 reference. The receive buffers must hold exactly one row per unique (token, rank) pair.
 """
 
@@ -16,14 +17,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from moe_testing import run_distributed
 from megatron_testing import (
     build_moe_layer,
     megatron_on_cpu,
     moe_config,
     rel_error,
-    run_distributed,
     seed_everything,
 )
+from moeblaze_megatron.config import MoEBlazeConfig, set_moeblaze_config
 from moeblaze_megatron.training.named_grads import sequential_named_grads as named_grads
 
 # (name, config overrides, expert bias or None). "skewed": the expert bias sends every token to
@@ -59,10 +61,13 @@ def _ep_worker(rank, world_size, port):
             overrides = dict(overrides)
             activation = overrides.pop("activation", "swiglu")
             layers = {}
-            for label, dispatcher, ep in (("ep1", "moeblaze", 1), ("ep", "moeblaze", world_size), ("stock", "allgather", world_size)):
+            for label, dispatcher, ep in (("ep1", "moeblaze", 1), ("ep", "moeblaze", world_size),
+                                          ("ring", "moeblaze", world_size), ("stock", "allgather", world_size)):
                 config = moe_config(
                     dispatcher, activation, num_moe_experts=NUM_EXPERTS, expert_model_parallel_size=ep, **overrides
                 )
+                if label == "ring":
+                    set_moeblaze_config(config, MoEBlazeConfig(ep_mode="ring"))
                 seed_everything(7)
                 layers[label] = build_moe_layer(config, pg_collection=ep1_groups if ep == 1 else None)
             reference = layers["ep1"]
@@ -76,8 +81,8 @@ def _ep_worker(rank, world_size, port):
                     local[f"experts.local_experts.{i}.{fc}.weight"] = full[
                         f"experts.local_experts.{rank * per_rank + i}.{fc}.weight"
                     ]
-            layers["ep"].load_state_dict(local)
-            layers["stock"].load_state_dict(local)
+            for label in ("ep", "ring", "stock"):
+                layers[label].load_state_dict(local)
 
             routing_maps = []
             hook = reference.router.register_forward_hook(lambda m, i, out: routing_maps.append(out[1]))
@@ -91,18 +96,19 @@ def _ep_worker(rank, world_size, port):
                 (out * upstream).sum().backward()
                 results[label] = (out.detach(), xx.grad, named_grads(layer))
             hook.remove()
-            # Deterministic: a second run of the EP layer repeats the first bit for bit.
-            layers["ep"].zero_grad()
-            xx = x.clone().requires_grad_()
-            out, _ = layers["ep"](xx)
-            (out * upstream).sum().backward()
-            assert torch.equal(out, results["ep"][0]) and torch.equal(xx.grad, results["ep"][1]), name
-            assert all(
-                torch.equal(g, results["ep"][2][k]) for k, g in named_grads(layers["ep"]).items() if g is not None
-            ), name
+            # Deterministic: a second run of the EP layers repeats the first bit for bit.
+            for label in ("ep", "ring"):
+                layers[label].zero_grad()
+                xx = x.clone().requires_grad_()
+                out, _ = layers[label](xx)
+                (out * upstream).sum().backward()
+                assert torch.equal(out, results[label][0]) and torch.equal(xx.grad, results[label][1]), name
+                assert all(
+                    torch.equal(g, results[label][2][k]) for k, g in named_grads(layers[label]).items() if g is not None
+                ), f"{name}/{label}"
 
             ref_out, ref_dx, ref_grads = results["ep1"]
-            for label in ("ep", "stock"):
+            for label in ("ep", "ring", "stock"):
                 out, dx, grads = results[label]
                 assert rel_error(out, ref_out) < TOL, f"{name}/{label}: output"
                 assert rel_error(dx, ref_dx) < TOL, f"{name}/{label}: input gradient"
@@ -112,7 +118,7 @@ def _ep_worker(rank, world_size, port):
                 want = torch.stack([ref_grads[f"experts.local_experts.{e}.{fc}.weight"] for e in range(NUM_EXPERTS)])
                 dist.all_reduce(want)
                 for i in range(per_rank):
-                    for label in ("ep", "stock"):
+                    for label in ("ep", "ring", "stock"):
                         got = results[label][2][f"experts.local_experts.{i}.{fc}.weight"]
                         err = rel_error(got, want[rank * per_rank + i])
                         assert err < TOL, f"{name}/{label}: expert {i} {fc} gradient, relative error {err:.3g}"

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from megatron_testing import free_port
+from moe_testing import free_port
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "gpu_megatron_check.py")
 

@@ -243,6 +243,15 @@ def test_parser_tp_with_expert_tp_1_accepted(monkeypatch):
     assert args.expert_tensor_parallel_size == 1
 
 
+def test_ep_mode_flag(monkeypatch):
+    for flags, want in (([], "alltoall"), (["--moeblaze-ep-mode", "ring"], "ring"),
+                        (["--moeblaze-ep-mode", "auto"], "auto")):
+        args = _parse(monkeypatch, ["--moe-token-dispatcher-type", "moeblaze", *flags])
+        assert megatron_plugin.moeblaze_config_from_args(args).ep_mode == want
+    with pytest.raises(ValueError, match="ep_mode must be one of"):
+        MoEBlazeConfig(ep_mode="relay")
+
+
 def test_transformer_config_from_args_attaches_options(monkeypatch):
     from megatron.training.arguments import validate_args
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_testing import run_distributed
 from megatron_testing import (
     REL_TOL,
     build_moe_layer,
@@ -19,7 +20,6 @@ from megatron_testing import (
     megatron_on_cpu,
     moe_config,
     rel_error,
-    run_distributed,
     seed_everything,
 )
 from moeblaze_megatron.training.named_grads import sequential_named_grads as named_grads
