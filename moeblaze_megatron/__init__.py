@@ -2,8 +2,10 @@
 
 The framework-neutral op (``moe_mlp``, ``build_routing_plan``, ``RoutingPlan``) imports neither
 Megatron nor Triton; ``install`` (the Megatron adapter, ``megatron_plugin.install``) is loaded
-when first asked for, so using the op alone does not import Megatron.
+when first asked for (PEP 562), so the core and a torchtitan user never import Megatron.
 """
+
+import importlib
 
 from .moe_mlp import moe_mlp
 from .routing import RoutingPlan, build_routing_plan
@@ -14,7 +16,6 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     if name == "install":
-        from .megatron_plugin import install
-
-        return install
+        # By name, not an import statement: the package root stays below its adapters.
+        return importlib.import_module(f"{__name__}.megatron_plugin").install
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,6 +14,7 @@ __all__ = [
     "EP_MODES",
     "MoEBlazeConfig",
     "RECOMPUTE_MODES",
+    "RING_CHOICES",
     "RING_MODES",
     "ROUTING_METHODS",
     "activation_name",
@@ -33,10 +34,12 @@ ROUTING_METHODS = ("auto", "three_step", "sort", "torch")
 # The expert MLP implementation: fused Triton kernels, the pure-PyTorch reference, or by device.
 BACKENDS = ("auto", "triton", "reference")
 # How the experts run across expert-parallel ranks: tokens sent once per destination rank
-# (alltoall), RelayMoE's ring (weights or tokens circulate), or the ring whose hop moves fewer bytes.
+# (alltoall), RelayMoE's ring (weights or tokens circulate), or per layer whichever moves fewer bytes.
 EP_MODES = ("alltoall", "ring", "auto")
 # What travels around the ring: the expert weight shards, or the token blocks.
 RING_MODES = ("expert", "token")
+# The ring option: one of the rings, or per layer the one that moves fewer bytes.
+RING_CHOICES = ("auto", *RING_MODES)
 
 
 @dataclass(frozen=True)
@@ -50,14 +53,18 @@ class MoEBlazeConfig:
     backend: the expert MLP implementation: ``"auto"`` (fused Triton kernels on CUDA, the PyTorch
         reference elsewhere), ``"triton"`` or ``"reference"``.
     ep_mode: with expert parallelism, ``"alltoall"`` (each token sent once per destination rank),
-        ``"ring"`` (RelayMoE's ring; expert or token ring, whichever moves fewer bytes per hop) or
-        ``"auto"`` (today the same as ``"alltoall"``, until the ring is measured faster on GPUs).
+        ``"ring"`` (RelayMoE's ring: no dispatch buffer, only the layer input kept for backward) or
+        ``"auto"`` (per layer, the alltoall exchange or a ring, whichever moves fewer bytes in a
+        training step, from shapes alone; ``parallel.volume``).
+    ring_mode: which ring runs: ``"expert"`` (the weight shards travel), ``"token"`` (the token
+        blocks travel) or ``"auto"`` (per layer, the one that moves fewer bytes).
     """
 
     recompute: str = "activation"
     routing_method: str = "auto"
     backend: str = "auto"
     ep_mode: str = "alltoall"
+    ring_mode: str = "auto"
 
     def __post_init__(self):
         for name, allowed in (
@@ -65,6 +72,7 @@ class MoEBlazeConfig:
             ("routing_method", ROUTING_METHODS),
             ("backend", BACKENDS),
             ("ep_mode", EP_MODES),
+            ("ring_mode", RING_CHOICES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"MoEBlazeConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -14,12 +14,16 @@ activation recomputation (``moe_layer_recompute``) re-runs it like any other for
 nothing left to do.
 
 * EP = 1: N = T, the rows are the layer's own hidden states (a view, no copy).
-* EP > 1, ``ep_mode="ring"``: nothing is exchanged here; the rows are the layer's hidden states
-  with their global expert ids, and the experts run RelayMoE's ring over the expert-parallel
-  group (``parallel.ring``).
-* EP > 1 otherwise: each token travels once to every rank holding one of its experts
+* EP > 1, alltoall mode: each token travels once to every rank holding one of its experts
   (``parallel.alltoall.TokenExchange``); the N received rows carry their local expert ids and
   probabilities, the partial outputs travel back and are summed per token in rank order.
+* EP > 1, ring mode: nothing is exchanged here; the rows are the layer's hidden states with their
+  global expert ids, and the experts run RelayMoE's ring over the expert-parallel group
+  (``parallel.ring``).
+
+``ep_mode="auto"`` picks, at each forward, the mode that sends fewer bytes per training step
+(``parallel.volume``) from the group's mean token count (a small all-gather, so that every rank
+picks alike).
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from .config import expert_tp_problem, get_moeblaze_config
+from .config import RING_MODES, expert_tp_problem, get_moeblaze_config
 from .parallel.alltoall import plan_token_exchange
+from .parallel.ring import group_mean_tokens
+from .parallel.volume import LayerTraffic, choose_mode
 from .routing import RoutingPlan, build_routing_plan
 
 __all__ = ["ExpertRouting", "MoEBlazeTokenDispatcher", "routing_map_to_topk"]
@@ -39,11 +45,13 @@ __all__ = ["ExpertRouting", "MoEBlazeTokenDispatcher", "routing_map_to_topk"]
 @dataclass(frozen=True)
 class ExpertRouting:
     """What the experts need besides the rows: local expert ids [N, K] (-1 unused) and their plan;
-    in ring mode the global ids, no plan, and the expert-parallel group the ring runs on."""
+    in ring mode the global ids, no plan, the expert-parallel group the ring runs on and the
+    ring's mode (``ring_moe``'s: "expert", "token" or "auto")."""
 
     topk_ids: torch.Tensor
     plan: RoutingPlan | None
     ring_group: object = None
+    ring_mode: str | None = None
 
     @property
     def tokens_per_expert(self) -> torch.Tensor | None:
@@ -103,8 +111,13 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
         self.topk = config.moe_router_topk
         options = get_moeblaze_config(config)
         self.routing_method = options.routing_method
-        # "auto" runs the alltoall exchange until the ring is measured faster on GPUs.
-        self.ring = self.ep_size > 1 and options.ep_mode == "ring"
+        self.ep_mode, self.ring_mode = options.ep_mode, options.ring_mode
+        # What one rank's experts weigh (fc1 [2h or h, d] and fc2 [d, h] each), for the auto choice.
+        ffn = config.moe_ffn_hidden_size
+        self.expert_weight_numel = num_local_experts * (2 + config.gated_linear_unit) * ffn * config.hidden_size
+        self.weight_bytes = config.params_dtype.itemsize
+        # The mode of the forward in flight: "local" (EP = 1), "alltoall", or a ring's mode.
+        self.mode = None
         self.hidden_shape = None
         self.topk_ids = None
         self.exchange = None
@@ -117,12 +130,34 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
             return None
         return self.exchange.num_received
 
+    @property
+    def ring(self) -> bool:
+        return self.mode in ("auto", *RING_MODES)
+
+    def _choose_mode(self, hidden_states, probs) -> str:
+        if self.ep_size == 1:
+            return "local"
+        if self.ep_mode == "alltoall":
+            return "alltoall"
+        if self.ep_mode == "ring":
+            return self.ring_mode
+        rings = RING_MODES if self.ring_mode == "auto" else (self.ring_mode,)
+        traffic = LayerTraffic(
+            tokens=group_mean_tokens(hidden_states.shape[0], self.ep_group, hidden_states.device),
+            hidden=hidden_states.shape[1], topk=self.topk, experts_per_rank=self.num_local_experts,
+            ranks=self.ep_size, weight_numel=self.expert_weight_numel, dtype_bytes=hidden_states.element_size(),
+            prob_bytes=probs.element_size(), weight_bytes=self.weight_bytes,
+        )
+        return choose_mode(("alltoall", *rings), traffic)
+
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
-        """Top-k form of the routing; at EP > 1 also the send buffer (one host sync for its size)."""
+        """Top-k form of the routing and this forward's mode; in alltoall mode also the send
+        buffer (one host sync for its size)."""
         self.hidden_shape = hidden_states.shape
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
         topk_ids, topk_probs = routing_map_to_topk(routing_map, probs, self.topk)
-        if self.ep_size == 1 or self.ring:
+        self.mode = self._choose_mode(hidden_states, topk_probs)
+        if self.mode != "alltoall":
             self.topk_ids = topk_ids
             return hidden_states, topk_probs
         self.exchange, send_ids, send_cols = plan_token_exchange(topk_ids, self.num_local_experts, self.ep_size)
@@ -131,8 +166,8 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
         return self.exchange.gather(hidden_states), send_probs
 
     def token_dispatch(self, hidden_states, probs):
-        """EP > 1: all-to-all of the send rows, their local expert ids and probabilities."""
-        if self.ep_size == 1 or self.ring:
+        """Alltoall mode: all-to-all of the send rows, their local expert ids and probabilities."""
+        if self.mode != "alltoall":
             return hidden_states, probs
         self.exchange.exchange_counts(self.ep_group)
         self.topk_ids = self.exchange.dispatch(self.topk_ids, self.ep_group)
@@ -141,7 +176,7 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
     def dispatch_postprocess(self, hidden_states, probs):
         """The routing plan over this rank's rows: ``(rows, ExpertRouting, topk_probs)``."""
         if self.ring:
-            routing = ExpertRouting(self.topk_ids, None, self.ep_group)
+            routing = ExpertRouting(self.topk_ids, None, self.ep_group, self.mode)
             self.topk_ids = None
             return hidden_states, routing, probs
         plan = build_routing_plan(
@@ -156,13 +191,13 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
         return hidden_states
 
     def token_combine(self, hidden_states):
-        """EP > 1: each partial output goes back to its source rank."""
-        if self.ep_size == 1 or self.ring:
+        """Alltoall mode: each partial output goes back to its source rank."""
+        if self.mode != "alltoall":
             return hidden_states
         return self.exchange.give_back(hidden_states, self.ep_group)
 
     def combine_postprocess(self, hidden_states):
-        """EP > 1: per-token sum of the partials in rank order; restore the input's shape."""
-        if self.ep_size > 1 and not self.ring:
+        """Alltoall mode: per-token sum of the partials in rank order; restore the input's shape."""
+        if self.mode == "alltoall":
             hidden_states = self.exchange.combine(hidden_states)
         return hidden_states.view(self.hidden_shape)

@@ -29,7 +29,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 from .config import activation_name, expert_bias_problem, expert_tp_problem, get_moeblaze_config
 from .dispatcher import ExpertRouting
 from .moe_mlp import moe_mlp
-from .parallel.ring import choose_ring, ring_moe
+from .parallel.ring import ring_moe
 
 __all__ = ["MoEBlazeGroupedMLP", "activation_of_config", "expert_activation"]
 
@@ -134,13 +134,11 @@ class MoEBlazeGroupedMLP(MegatronModule):
         return out, None
 
     def _ring(self, hidden_states, routing, probs):
-        """RelayMoE's ring over the expert-parallel group: the weights or the tokens travel,
-        whichever moves fewer bytes per hop (from shapes alone: the same pick on every rank)."""
-        mode = choose_ring(num_tokens=hidden_states.shape[0], hidden=hidden_states.shape[1],
-                           topk=routing.topk_ids.shape[1], weight_numel=self.weight1.numel() + self.weight2.numel(),
-                           dtype_bytes=hidden_states.element_size(), prob_bytes=probs.element_size())
+        """RelayMoE's ring over the expert-parallel group (the weights or the tokens travel, as
+        the dispatcher's ring mode says); it recomputes each hop in backward whatever
+        ``recompute`` says."""
         return ring_moe(hidden_states, routing.topk_ids, probs, self.weight1, self.weight2, routing.ring_group,
-                        mode=mode, activation=self.activation, backend=self.backend,
+                        mode=routing.ring_mode, activation=self.activation, backend=self.backend,
                         routing_method=self.routing_method)
 
     def backward_dw(self) -> None:

@@ -26,6 +26,7 @@ from .config import (
     BACKENDS,
     EP_MODES,
     RECOMPUTE_MODES,
+    RING_CHOICES,
     ROUTING_METHODS,
     MoEBlazeConfig,
     activation_problem,
@@ -85,9 +86,14 @@ def add_moeblaze_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument(
         "--moeblaze-ep-mode", choices=EP_MODES, default="alltoall",
         help="With expert parallelism: 'alltoall' sends each token once per rank holding one of its "
-        "experts; 'ring' runs RelayMoE's ring (the expert weights or the tokens, whichever moves "
-        "fewer bytes per hop, circulate point to point; no dispatch buffer, only the layer input "
-        "kept for backward); 'auto' is 'alltoall' until the ring is measured faster on GPUs.",
+        "experts; 'ring' runs RelayMoE's ring (expert weights or tokens circulate point to point; "
+        "no dispatch buffer, only the layer input kept for backward); 'auto' picks per layer the "
+        "one that sends fewer bytes per training step.",
+    )
+    group.add_argument(
+        "--moeblaze-ring-mode", choices=RING_CHOICES, default="auto",
+        help="Which ring runs in ring (and auto) mode: 'expert' (the weight shards travel), 'token' "
+        "(the token blocks travel), or 'auto' (per layer, the one that sends fewer bytes).",
     )
     parse_known_args = parser.parse_known_args
 
@@ -126,6 +132,7 @@ def moeblaze_config_from_args(args) -> MoEBlazeConfig:
         routing_method=getattr(args, "moeblaze_routing_method", defaults.routing_method),
         backend=getattr(args, "moeblaze_backend", defaults.backend),
         ep_mode=getattr(args, "moeblaze_ep_mode", defaults.ep_mode),
+        ring_mode=getattr(args, "moeblaze_ring_mode", defaults.ring_mode),
     )
 
 

@@ -17,8 +17,12 @@ tokens travel:
   the blocks travel again with their output gradient; the input and probability gradients travel
   home the same way; each rank sums its weight gradients over the blocks in hop order.
 
-Every sum runs in a fixed order, so results are bitwise the same run to run. What autograd keeps
-per layer is the layer input, the ids and the probabilities (and the host-side row counts).
+``mode="auto"`` runs the ring that sends fewer bytes per training step (``parallel.volume``), from
+the group's token counts, gathered first, so every rank makes the same choice.
+
+Every sum runs in a fixed order, so results are bitwise the same run to run; the sums that travel
+are float32 (for 16-bit inputs) and rounded once, at home. What autograd keeps per layer is the
+layer input, the ids and the probabilities (and the host-side row counts).
 Each hop's routing plan is trimmed to the rows routed there (``RoutingPlan.trimmed``), so its
 intermediates are one hop's rows, not T * K.
 """
@@ -28,12 +32,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..config import RING_MODES
+from ..config import RING_CHOICES, RING_MODES
 from ..moe_mlp import expert_mlp_backward, expert_mlp_forward
 from ..reference import compute_dtype
 from ..routing import build_routing_plan
+from .volume import LayerTraffic, choose_mode
 
-__all__ = ["choose_ring", "ring_bytes_per_hop", "ring_moe", "shard_row_counts"]
+__all__ = ["group_mean_tokens", "layer_traffic", "ring_moe", "shard_row_counts"]
 
 
 def shard_row_counts(topk_ids: torch.Tensor, experts_per_rank: int, ep_size: int) -> torch.Tensor:
@@ -43,47 +48,47 @@ def shard_row_counts(topk_ids: torch.Tensor, experts_per_rank: int, ep_size: int
     return torch.bincount(shard.reshape(-1).long(), minlength=ep_size + 1)[:ep_size]
 
 
-def ring_bytes_per_hop(mode: str, *, num_tokens: int, hidden: int, topk: int, weight_numel: int,
-                       dtype_bytes: int, prob_bytes: int) -> int:
-    """Bytes one rank sends per forward hop: its weight shard (``weight_numel`` elements, fc1 and
-    fc2 of its experts), or a token block (rows, int32 ids, probabilities) with its output
-    accumulator."""
-    if mode == "expert":
-        return weight_numel * dtype_bytes
-    if mode == "token":
-        return num_tokens * (2 * hidden * dtype_bytes + topk * (4 + prob_bytes))
-    raise ValueError(f"mode must be one of {RING_MODES}, got {mode!r}")
+def group_mean_tokens(num_tokens: int, group, device) -> float:
+    """The mean token count over the ranks of ``group`` (one small all-gather, one host
+    synchronization): shapes every rank agrees on, for a choice every rank must make alike."""
+    mine = torch.tensor([num_tokens], dtype=torch.long, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return torch.cat(every).sum().item() / len(every)
 
 
-def choose_ring(*, num_tokens: int, hidden: int, topk: int, weight_numel: int, dtype_bytes: int,
-                prob_bytes: int) -> str:
-    """The ring that moves fewer bytes per hop, from shapes alone (every rank of the group must see
-    the same shapes, as Megatron's fixed sequence length gives; no communication, no host sync)."""
-    sizes = dict(num_tokens=num_tokens, hidden=hidden, topk=topk, weight_numel=weight_numel,
-                 dtype_bytes=dtype_bytes, prob_bytes=prob_bytes)
-    expert, token = (ring_bytes_per_hop(mode, **sizes) for mode in RING_MODES)
-    return "expert" if expert <= token else "token"
+def layer_traffic(tokens: float, x, topk_probs, fc1_weight, fc2_weight, ranks: int) -> LayerTraffic:
+    """The layer's shapes for ``parallel.volume``: ``tokens`` per rank, the rest from the tensors
+    (this rank's experts)."""
+    return LayerTraffic(tokens=tokens, hidden=x.shape[-1], topk=topk_probs.shape[-1],
+                        experts_per_rank=fc1_weight.shape[0], ranks=ranks,
+                        weight_numel=fc1_weight.numel() + fc2_weight.numel(), dtype_bytes=x.element_size(),
+                        prob_bytes=topk_probs.element_size(), weight_bytes=fc1_weight.element_size())
 
 
-def ring_moe(x, topk_ids, topk_probs, fc1_weight, fc2_weight, group, *, mode: str, activation: str = "swiglu",
-             backend: str = "auto", routing_method: str = "auto") -> torch.Tensor:
+def ring_moe(x, topk_ids, topk_probs, fc1_weight, fc2_weight, group, *, mode: str = "auto",
+             activation: str = "swiglu", backend: str = "auto", routing_method: str = "auto") -> torch.Tensor:
     """The MoE experts over an expert-parallel ``group`` of P ranks, as a ring.
 
     x [T, d] this rank's tokens; topk_ids [T, K] global expert ids (-1 unused); topk_probs [T, K];
     fc1_weight [E_local, 2h or h, d], fc2_weight [E_local, d, h]: this rank's experts (global
-    expert e lives on rank e // E_local). ``mode``: ``"expert"`` (weights travel) or ``"token"``
-    (token blocks travel). Returns y [T, d], as ``moe_mlp`` over all P * E_local experts would;
+    expert e lives on rank e // E_local). ``mode``: ``"expert"`` (weights travel), ``"token"``
+    (token blocks travel) or ``"auto"`` (the one sending fewer bytes per training step, from the
+    group's token counts, which every rank gathers: the same choice everywhere). T may differ
+    between ranks. Returns y [T, d], as ``moe_mlp`` over all P * E_local experts would;
     differentiable in x, topk_probs and the weights.
     """
-    if mode not in RING_MODES:
-        raise ValueError(f"mode must be one of {RING_MODES}, got {mode!r}")
+    if mode not in RING_CHOICES:
+        raise ValueError(f"mode must be one of {RING_CHOICES}, got {mode!r}")
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"x must be [T, d] and topk_ids [T, K] with the same T, got {tuple(x.shape)} "
                          f"and {tuple(topk_ids.shape)}")
     if tuple(topk_probs.shape) != tuple(topk_ids.shape):
         raise ValueError(f"topk_probs has shape {tuple(topk_probs.shape)}; expected topk_ids' {tuple(topk_ids.shape)}")
-    function = _ExpertRing if mode == "expert" else _TokenRing
-    return function.apply(x, topk_probs, fc1_weight, fc2_weight, topk_ids.to(torch.int32), group, activation,
+    if fc1_weight.dim() != 3 or fc2_weight.dim() != 3 or fc1_weight.shape[0] != fc2_weight.shape[0]:
+        raise ValueError(f"fc1_weight [E_local, 2h or h, d] and fc2_weight [E_local, d, h] must hold the same "
+                         f"experts, got {tuple(fc1_weight.shape)} and {tuple(fc2_weight.shape)}")
+    return _RingMoE.apply(x, topk_probs, fc1_weight, fc2_weight, topk_ids.to(torch.int32), group, mode, activation,
                           backend, routing_method)
 
 
@@ -112,6 +117,15 @@ class _Ring:
     def wait(works) -> None:
         for work in works:
             work.wait()
+
+    def sizes(self, topk_ids, experts: int) -> list[list[int]]:
+        """[P][1 + P]: every rank's token count and its slots routed to each rank's experts (one
+        small all-gather, one host synchronization)."""
+        mine = torch.cat([torch.tensor([topk_ids.shape[0]], device=topk_ids.device),
+                          shard_row_counts(topk_ids, experts, self.size)]).long()
+        table = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(table, mine, group=self.group)
+        return torch.stack(table).tolist()
 
 
 def _shard_ids(topk_ids, shard: int, experts_per_rank: int) -> torch.Tensor:
@@ -157,199 +171,195 @@ def _add(acc, part):
 
 
 def _carry(incoming, part, like):
-    """A travelling accumulator after this rank's contribution: ``incoming + part`` in place (one
-    rounding to the dtype it travels in, ``like``'s), or, at its first rank, ``part`` itself."""
+    """A travelling accumulator after this rank's contribution: ``incoming + part`` in place, or,
+    at its first rank, ``part`` in ``like``'s dtype and shape (zeros where this rank adds
+    nothing)."""
     if incoming is None:
         return torch.zeros_like(like) if part is None else part.to(like.dtype)
     return incoming if part is None else incoming.add_(part)
+
+
+def _finish(acc, like):
+    """An accumulated result in ``like``'s dtype (zeros if nothing was added)."""
+    return torch.zeros_like(like) if acc is None else acc.to(like.dtype)
+
+
+class _RingMoE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_probs, fc1_weight, fc2_weight, topk_ids, group, mode, activation, backend, method):
+        ring = _Ring(group)
+        experts = fc1_weight.shape[0]
+        if mode == "expert":
+            # Only this rank's rows per shard are needed: no all-gather.
+            sizes = [None] * ring.size
+            sizes[ring.rank] = [topk_ids.shape[0], *shard_row_counts(topk_ids, experts, ring.size).tolist()]
+        else:
+            sizes = ring.sizes(topk_ids, experts)
+        if mode == "auto":
+            tokens = sum(row[0] for row in sizes) / ring.size
+            mode = choose_mode(RING_MODES, layer_traffic(tokens, x, topk_probs, fc1_weight, fc2_weight, ring.size))
+        weights = (fc1_weight.detach(), fc2_weight.detach())
+        run = _expert_forward if mode == "expert" else _token_forward
+        y = run(ring, sizes, x.detach(), topk_ids, topk_probs.detach(), weights, activation, backend, method)
+        ctx.save_for_backward(x, topk_probs, fc1_weight, fc2_weight, topk_ids)
+        ctx.config = (group, mode, sizes, activation, backend, method)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, topk_probs, fc1_weight, fc2_weight, topk_ids = ctx.saved_tensors
+        group, mode, sizes, activation, backend, method = ctx.config
+        needs = ctx.needs_input_grad[:4]
+        run = _expert_backward if mode == "expert" else _token_backward
+        grads = run(_Ring(group), sizes, grad_y.contiguous(), x, topk_ids, topk_probs,
+                    (fc1_weight.detach(), fc2_weight.detach()), activation, backend, method, needs)
+        return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------------------------
 # Expert ring: the weights travel
 
 
-class _ExpertRing(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_probs, fc1_weight, fc2_weight, topk_ids, group, activation, backend, method):
-        ring = _Ring(group)
-        experts = fc1_weight.shape[0]
-        # One host synchronization: each hop's rows size its buffers.
-        rows = shard_row_counts(topk_ids, experts, ring.size).tolist()
-        y = None
-        shard = (fc1_weight.detach(), fc2_weight.detach())
-        spare = None
-        for hop in range(ring.size):
-            owner = (ring.rank - hop) % ring.size
-            works = []
-            if hop < ring.size - 1:
-                incoming = spare or tuple(torch.empty_like(w) for w in shard)
-                works = ring.start(list(shard), list(incoming))
-            if rows[owner]:
-                hop_ = _Hop(topk_ids, owner, experts, rows[owner], method)
-                y = _add(y, expert_mlp_forward(x, hop_.probs(topk_probs), *shard, hop_.plan, activation, backend,
-                                               out_dtype=compute_dtype(x.dtype)))
-            ring.wait(works)
-            if hop < ring.size - 1:
-                # The shard just sent is free for the hop after next (never our own weights).
-                spare = shard if hop > 0 else None
-                shard = incoming
-        ctx.save_for_backward(x, topk_probs, fc1_weight, fc2_weight, topk_ids)
-        ctx.config = (group, activation, backend, method, rows)
-        return torch.zeros_like(x) if y is None else y.to(x.dtype)
+def _expert_forward(ring, sizes, x, topk_ids, topk_probs, weights, activation, backend, method):
+    experts = weights[0].shape[0]
+    rows = sizes[ring.rank][1:]
+    y = None
+    shard, spare = weights, None
+    for hop in range(ring.size):
+        owner = (ring.rank - hop) % ring.size
+        works = []
+        if hop < ring.size - 1:
+            incoming = spare or tuple(torch.empty_like(w) for w in shard)
+            # The next shard's transfer runs while this one computes.
+            works = ring.start(list(shard), list(incoming))
+        if rows[owner]:
+            hop_ = _Hop(topk_ids, owner, experts, rows[owner], method)
+            y = _add(y, expert_mlp_forward(x, hop_.probs(topk_probs), *shard, hop_.plan, activation, backend,
+                                           out_dtype=compute_dtype(x.dtype)))
+        ring.wait(works)
+        if hop < ring.size - 1:
+            # The shard just sent is free for the hop after next (never our own weights).
+            spare = shard if hop > 0 else None
+            shard = incoming
+    return _finish(y, x)
 
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, topk_probs, fc1_weight, fc2_weight, topk_ids = ctx.saved_tensors
-        group, activation, backend, method, rows = ctx.config
-        ring = _Ring(group)
-        experts = fc1_weight.shape[0]
-        needs = ctx.needs_input_grad[:4]
-        grad_x = grad_probs = None
-        shard = (fc1_weight.detach(), fc2_weight.detach())
-        spare = None
-        # The weight gradient of the shard held at the previous hop, complete up to this rank.
-        done = None
-        for hop in range(ring.size + 1):
-            owner = (ring.rank - hop) % ring.size
-            send, recv = [], []
-            if hop < ring.size - 1:
-                incoming = spare or tuple(torch.empty_like(w) for w in shard)
-                send += shard
-                recv += incoming
-            if hop > 0:
-                # The gradient of the shard held now, as far as the previous rank brought it.
-                arriving = tuple(torch.empty_like(w) for w in (fc1_weight, fc2_weight))
-                send += done
-                recv += arriving
-            if hop == ring.size:
-                # The last shard's gradient goes home; this rank's own arrives.
-                if ring.size > 1:
-                    ring.wait(ring.start(send, recv))
-                break
-            works = ring.start(send, recv)
-            part = (None, None, None, None)
-            if rows[owner]:
-                hop_ = _Hop(topk_ids, owner, experts, rows[owner], method)
-                part = expert_mlp_backward(grad_y, x, hop_.probs(topk_probs), *shard, hop_.plan, activation,
-                                           backend, needs=(needs[0], needs[1], True, True))
-                part = (part[0], hop_.spread(part[1]), *part[2:])
-            grad_x = _add(grad_x, part[0])
-            grad_probs = _add(grad_probs, part[1])
-            ring.wait(works)
-            done = tuple(_carry(arriving[i] if hop > 0 else None, part[2 + i], w)
-                         for i, w in enumerate((fc1_weight, fc2_weight)))
-            del part
-            if hop < ring.size - 1:
-                spare = shard if hop > 0 else None
-                shard = incoming
+
+def _expert_backward(ring, sizes, grad_y, x, topk_ids, topk_probs, weights, activation, backend, method, needs):
+    experts = weights[0].shape[0]
+    rows = sizes[ring.rank][1:]
+    want_weights = needs[2] or needs[3]
+    # Each shard's gradient travels in float32 one hop behind its weights, from its owner on, and
+    # is rounded once, at home.
+    like = tuple(torch.empty(w.shape, dtype=compute_dtype(w.dtype), device=w.device) for w in weights)
+    grad_x = grad_probs = None
+    shard, spare = weights, None
+    done = arriving = None
+    for hop in range(ring.size + 1):
+        owner = (ring.rank - hop) % ring.size
+        send, recv = [], []
+        if hop < ring.size - 1:
+            incoming = spare or tuple(torch.empty_like(w) for w in shard)
+            send += shard
+            recv += incoming
+        if hop > 0 and want_weights:
+            # The gradient of the shard held now, as far as the previous rank brought it.
+            arriving = tuple(torch.empty_like(t) for t in like)
+            send += done
+            recv += arriving
+        if hop == ring.size:
+            # The last shard's gradient goes home; this rank's own arrives.
+            if ring.size > 1:
+                ring.wait(ring.start(send, recv))
+            break
+        works = ring.start(send, recv)
+        part = (None, None, None, None)
+        if rows[owner]:
+            hop_ = _Hop(topk_ids, owner, experts, rows[owner], method)
+            part = expert_mlp_backward(grad_y, x, hop_.probs(topk_probs), *shard, hop_.plan, activation, backend,
+                                       needs=(needs[0], needs[1], want_weights, want_weights))
+            part = (part[0], hop_.spread(part[1]), *part[2:])
+        grad_x = _add(grad_x, part[0])
+        grad_probs = _add(grad_probs, part[1])
+        ring.wait(works)
+        if want_weights:
+            done = tuple(_carry(arriving[i] if hop > 0 else None, part[2 + i], like[i]) for i in range(2))
+        del part
+        if hop < ring.size - 1:
+            spare = shard if hop > 0 else None
+            shard = incoming
+    if want_weights:
         # After the last hop this rank's own shard's gradient arrived from the previous rank.
-        grad_fc1, grad_fc2 = arriving if ring.size > 1 else done
-        grad_x = _finish(grad_x, x) if needs[0] else None
-        grad_probs = _finish(grad_probs, topk_probs) if needs[1] else None
-        return (grad_x, grad_probs, grad_fc1 if needs[2] else None, grad_fc2 if needs[3] else None,
-                None, None, None, None, None)
-
-
-def _finish(acc, like):
-    return torch.zeros_like(like) if acc is None else acc.to(like.dtype)
+        grad_fc1, grad_fc2 = (_finish(g, w) for g, w in zip(arriving if ring.size > 1 else done, weights))
+    else:
+        grad_fc1 = grad_fc2 = None
+    return _finish(grad_x, x), _finish(grad_probs, topk_probs), grad_fc1, grad_fc2
 
 
 # ----------------------------------------------------------------------------------------------
 # Token ring: the token blocks travel
 
 
-def _block_sizes(ring: _Ring, topk_ids, experts: int) -> list[list[int]]:
-    """[P][1 + P]: every rank's token count and its slots routed to each rank's experts (one small
-    all-gather, one host synchronization)."""
-    mine = torch.cat([torch.tensor([topk_ids.shape[0]], device=topk_ids.device),
-                      shard_row_counts(topk_ids, experts, ring.size)]).long()
-    table = torch.empty(ring.size, ring.size + 1, dtype=torch.long, device=topk_ids.device)
-    dist.all_gather_into_tensor(table.view(-1), mine, group=ring.group)
-    return table.tolist()
+def _token_forward(ring, sizes, x, topk_ids, topk_probs, weights, activation, backend, method):
+    experts = weights[0].shape[0]
+
+    def hop(held, rows):
+        x_b, ids_b, probs_b = held
+        hop_ = _Hop(ids_b, ring.rank, experts, rows, method)
+        return (expert_mlp_forward(x_b, hop_.probs(probs_b), *weights, hop_.plan, activation, backend,
+                                   out_dtype=compute_dtype(x_b.dtype)),)
+
+    block = (x.contiguous(), topk_ids.contiguous(), topk_probs.contiguous())
+    (y,) = _token_ring_pass(ring, sizes, block, hop, [(x.shape[1:], compute_dtype(x.dtype))])
+    return y.to(x.dtype)
 
 
-def _shaped(like, tokens: int):
-    """An empty tensor like ``like`` with ``tokens`` rows (allocation only: the caching allocator
-    hands back memory without touching it)."""
-    return like.new_empty(tokens, *like.shape[1:])
+def _token_backward(ring, sizes, grad_y, x, topk_ids, topk_probs, weights, activation, backend, method, needs):
+    experts = weights[0].shape[0]
+    want_weights = needs[2] or needs[3]
+    weight_grads = [None, None]
+
+    def hop(held, rows):
+        x_b, ids_b, probs_b, grad_y_b = held
+        hop_ = _Hop(ids_b, ring.rank, experts, rows, method)
+        gx, gp, g1, g2 = expert_mlp_backward(grad_y_b, x_b, hop_.probs(probs_b), *weights, hop_.plan, activation,
+                                             backend, needs=(True, True, want_weights, want_weights))
+        # This rank's weight gradients, summed over the blocks in hop order.
+        weight_grads[0] = _add(weight_grads[0], g1)
+        weight_grads[1] = _add(weight_grads[1], g2)
+        return gx, hop_.spread(gp)
+
+    block = (x.detach().contiguous(), topk_ids.contiguous(), topk_probs.detach().contiguous(), grad_y)
+    results = [(x.shape[1:], compute_dtype(x.dtype)), (topk_probs.shape[1:], compute_dtype(topk_probs.dtype))]
+    grad_x, grad_probs = _token_ring_pass(ring, sizes, block, hop, results)
+    grad_fc1, grad_fc2 = (_finish(g, w) if want_weights else None for g, w in zip(weight_grads, weights))
+    return grad_x.to(x.dtype), grad_probs.to(topk_probs.dtype), grad_fc1, grad_fc2
 
 
-def _empty_block(block, tokens: int):
-    """Receive buffers for a block of ``tokens`` rows shaped like ``block``'s tensors."""
-    return tuple(_shaped(t, tokens) for t in block)
-
-
-class _TokenRing(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_probs, fc1_weight, fc2_weight, topk_ids, group, activation, backend, method):
-        ring = _Ring(group)
-        experts = fc1_weight.shape[0]
-        sizes = _block_sizes(ring, topk_ids, experts)
-        block = (x.detach().contiguous(), topk_ids.contiguous(), topk_probs.detach().contiguous())
-        y = _token_ring_pass(ring, sizes, block, lambda held, rows: _token_forward(
-            held, rows, ring.rank, experts, fc1_weight, fc2_weight, activation, backend, method), x)[0]
-        ctx.save_for_backward(x, topk_probs, fc1_weight, fc2_weight, topk_ids)
-        ctx.config = (group, activation, backend, method, sizes)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, topk_probs, fc1_weight, fc2_weight, topk_ids = ctx.saved_tensors
-        group, activation, backend, method, sizes = ctx.config
-        ring = _Ring(group)
-        experts = fc1_weight.shape[0]
-        needs = ctx.needs_input_grad[:4]
-        weight_grads = [None, None]
-
-        def hop(held, rows):
-            x_b, ids_b, probs_b, grad_y_b = held
-            hop_ = _Hop(ids_b, ring.rank, experts, rows, method)
-            gx, gp, g1, g2 = expert_mlp_backward(grad_y_b, x_b, hop_.probs(probs_b), fc1_weight.detach(),
-                                                 fc2_weight.detach(), hop_.plan, activation, backend,
-                                                 needs=(True, True, needs[2], needs[3]))
-            gp = hop_.spread(gp)
-            # This rank's weight gradients, summed over the blocks in hop order.
-            weight_grads[0] = _add(weight_grads[0], g1)
-            weight_grads[1] = _add(weight_grads[1], g2)
-            return gx, gp
-
-        block = (x.detach().contiguous(), topk_ids.contiguous(), topk_probs.detach().contiguous(),
-                 grad_y.contiguous())
-        grad_x, grad_probs = _token_ring_pass(ring, sizes, block, hop, x, topk_probs)
-        grad_fc1 = _finish(weight_grads[0], fc1_weight) if needs[2] else None
-        grad_fc2 = _finish(weight_grads[1], fc2_weight) if needs[3] else None
-        return (grad_x if needs[0] else None, grad_probs if needs[1] else None, grad_fc1, grad_fc2,
-                None, None, None, None, None)
-
-
-def _token_forward(held, rows, rank, experts, fc1_weight, fc2_weight, activation, backend, method):
-    x_b, ids_b, probs_b = held
-    hop_ = _Hop(ids_b, rank, experts, rows, method)
-    return (expert_mlp_forward(x_b, hop_.probs(probs_b), fc1_weight.detach(), fc2_weight.detach(), hop_.plan,
-                               activation, backend,
-                               out_dtype=compute_dtype(x_b.dtype)),)
-
-
-def _token_ring_pass(ring: _Ring, sizes, block, compute, *results_like):
+def _token_ring_pass(ring: _Ring, sizes, block, compute, results):
     """Send ``block`` (this rank's tensors, T rows each) around the ring; at the hop where this rank
-    holds block b, ``compute(held, rows)`` gives its partial results for b's rows (float32 or None
-    each, ``rows`` the slots of b routed here). The accumulators of the results, in the dtypes of
-    ``results_like``, travel one hop behind their block and come home after the last hop: returns
-    this rank's accumulated results."""
+    holds block b, ``compute(held, rows)`` gives its partial results for b's rows (or None each;
+    ``rows`` the slots of b routed here). The results' accumulators (``results``: the trailing
+    shape and dtype of each) travel one hop behind their block and come home after the last hop:
+    returns this rank's accumulated results."""
     size, rank = ring.size, ring.rank
-    held = block
-    done = None
+    device = block[0].device
+
+    def accumulator(spec, tokens):
+        shape, dtype = spec
+        return torch.empty((tokens, *shape), dtype=dtype, device=device)
+
+    held, done = block, None
     for hop in range(size + 1):
         owner = (rank - hop) % size
         tokens = sizes[owner][0]
         send, recv = [], []
         if hop < size - 1:
-            incoming = _empty_block(block, sizes[(owner - 1) % size][0])
+            incoming = tuple(t.new_empty(sizes[(owner - 1) % size][0], *t.shape[1:]) for t in block)
             send += held
             recv += incoming
         if hop > 0:
             # The results of the block held now, as far as the previous rank brought them.
-            arriving = tuple(_shaped(like, tokens) for like in results_like)
+            arriving = tuple(accumulator(spec, tokens) for spec in results)
             send += done
             recv += arriving
         if hop == size:
@@ -360,10 +370,10 @@ def _token_ring_pass(ring: _Ring, sizes, block, compute, *results_like):
             return arriving
         works = ring.start(send, recv)
         rows = sizes[owner][1 + rank]
-        parts = compute(held, rows) if rows else (None,) * len(results_like)
+        parts = compute(held, rows) if rows else (None,) * len(results)
         ring.wait(works)
-        done = tuple(_carry(arriving[i] if hop > 0 else None, part, _shaped(like, tokens))
-                     for i, (part, like) in enumerate(zip(parts, results_like)))
+        done = tuple(_carry(arriving[i] if hop > 0 else None, part, accumulator(spec, tokens))
+                     for i, (part, spec) in enumerate(zip(parts, results)))
         del parts
         if hop < size - 1:
             held = incoming

@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 from moe_testing import run_distributed
 from moeblaze_megatron import moe_mlp
-from moeblaze_megatron.config import RING_MODES
-from moeblaze_megatron.parallel.ring import choose_ring, ring_bytes_per_hop, ring_moe, shard_row_counts
+from moeblaze_megatron.config import RING_CHOICES, RING_MODES
+from moeblaze_megatron.parallel.ring import ring_moe, shard_row_counts
+from moeblaze_megatron.parallel.volume import MODES, LayerTraffic, choose_mode, hop_bytes, step_bytes
 from moeblaze_megatron.routing import build_routing_plan
 from moeblaze_megatron.training.audit import saved_bytes_for_backward
 
@@ -87,7 +88,7 @@ def _ring_worker(rank, world_size, port):
             lo, hi = sum(counts[:rank]), sum(counts[: rank + 1])
             shard = slice(rank * per_rank, (rank + 1) * per_rank)
             want_mine = (want[0][lo:hi], want[1][lo:hi], want[2][lo:hi], want[3][shard], want[4][shard])
-            for mode in RING_MODES:
+            for mode in RING_CHOICES:
                 got = _ring(mode, group, rank, counts, x, ids, probs, fc1, fc2, grad_y, per_rank)
                 again = _ring(mode, group, rank, counts, x, ids, probs, fc1, fc2, grad_y, per_rank)
                 for name, g, w, a in zip(("y", "dx", "dprobs", "dfc1", "dfc2"), got, want_mine, again):
@@ -157,16 +158,71 @@ def test_ring_on_the_kernels_and_what_it_keeps():
             assert report["x_bytes"] <= report[f"{mode}/saved"] <= report["floor"], (mode, report)
 
 
-def test_shard_row_counts_and_the_ring_choice():
+def _bf16_worker(rank, world_size, port):
+    """Each ring in bfloat16 against the float64 EP = 1 result, beside the same op at EP = 1 in
+    bfloat16 (the rounding any bf16 run has)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        counts, x, ids, probs, fc1, fc2, grad_y = _global_problem("random", world_size, seed=11)
+        # The oracle takes the bf16 inputs' values: the errors are the computation's alone.
+        x, probs, fc1, fc2, grad_y = (t.bfloat16().double() for t in (x, probs, fc1, fc2, grad_y))
+        want = _ep1(x, ids, probs, fc1, fc2, grad_y)
+        bf16 = _ep1(x.bfloat16(), ids, *(t.bfloat16() for t in (probs, fc1, fc2, grad_y)))
+        lo, hi = sum(counts[:rank]), sum(counts[: rank + 1])
+        shard = slice(rank * 2, (rank + 1) * 2)
+
+        def mine(result):
+            return (result[0][lo:hi], result[1][lo:hi], result[2][lo:hi], result[3][shard], result[4][shard])
+
+        def err(g, w):
+            return ((g.double() - w).norm() / w.norm()).item()
+
+        out = {"ep1_bf16": [err(g, w) for g, w in zip(mine(bf16), mine(want))]}
+        for mode in RING_MODES:
+            got = _ring(mode, dist.group.WORLD, rank, counts, x, ids, probs, fc1, fc2, grad_y, 2,
+                        dtype=torch.bfloat16)
+            assert all(g.dtype == torch.bfloat16 for g in got)
+            out[mode] = [err(g, w) for g, w in zip(got, mine(want))]
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ring_in_bfloat16():
+    for report in run_distributed(_bf16_worker, 3, timeout=300):
+        for mode in RING_MODES:
+            for name, got, ep1 in zip(("y", "dx", "dprobs", "dfc1", "dfc2"), report[mode], report["ep1_bf16"]):
+                # bf16 keeps 8 bits: a few roundings of 2^-9 each, and no worse than twice EP = 1's.
+                assert got < 2**-6 and got <= 2 * ep1 + 2**-9, (mode, name, got, ep1)
+
+
+def test_shard_row_counts():
     ids = torch.tensor([[0, 5], [3, -1], [7, 6], [-1, -1]])
     assert shard_row_counts(ids, 2, 4).tolist() == [1, 1, 1, 2]
-    # Fine-grained experts and few tokens: the token blocks are cheaper; many tokens: the weights.
-    shapes = dict(hidden=2048, topk=8, weight_numel=16 * 3 * 768 * 2048, dtype_bytes=2, prob_bytes=4)
-    assert choose_ring(num_tokens=1024, **shapes) == "token"
-    assert choose_ring(num_tokens=65536, **shapes) == "expert"
-    assert ring_bytes_per_hop("expert", num_tokens=1, **shapes) == 16 * 3 * 768 * 2048 * 2
+
+
+def test_bytes_per_step_and_the_choice():
+    # Qwen3-30B-A3B-like at P = 8: fine-grained experts, 16 per rank.
+    shapes = dict(hidden=2048, topk=8, experts_per_rank=16, ranks=8, weight_numel=16 * 3 * 768 * 2048)
+    few, many = LayerTraffic(tokens=1024, **shapes), LayerTraffic(tokens=65536, **shapes)
+    # By hand: a weight shard is 151 MB in bf16; its float32 gradient twice that.
+    W = 16 * 3 * 768 * 2048
+    assert step_bytes("expert", few) == (7 * 2 * W, 7 * 2 * W + 8 * 4 * W)
+    block = 1024 * (2048 * 2 + 8 * (4 + 4))
+    assert step_bytes("token", few)[0] == 7 * block + 8 * 1024 * 2048 * 4
+    rows = 1024 * 7 * (1 - (7 / 8) ** 8)
+    assert step_bytes("alltoall", few)[0] == pytest.approx(rows * (2 * 2048 * 2 + 8 * (4 + 4)))
+    # Few tokens: the token blocks are cheaper than the weights; many: the weights travel.
+    assert choose_mode(RING_MODES, few) == "token" and choose_mode(RING_MODES, many) == "expert"
+    # The all-to-all sends each token to fewer than P - 1 ranks: cheaper than the token ring always,
+    # and than the expert ring until the tokens outweigh the weights.
+    assert choose_mode(MODES, few) == "alltoall" and choose_mode(MODES, many) == "expert"
+    # The same per-hop bytes the ring's hop sends.
+    assert hop_bytes("expert", few)[0] == 2 * W
     with pytest.raises(ValueError, match="mode must be one of"):
-        ring_bytes_per_hop("ring", num_tokens=1, **shapes)
+        hop_bytes("ring", few)
+    with pytest.raises(ValueError, match="candidates must be"):
+        choose_mode(["ring"], few)
 
 
 def test_ring_refuses_bad_arguments():

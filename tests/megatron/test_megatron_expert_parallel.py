@@ -4,8 +4,8 @@ Each rank builds the full layer at EP = 1 (every expert, identical global weight
 and the EP layer holding its slice of the experts with the same weights, runs both on its own
 tokens, and compares outputs and gradients: input and router gradients per rank, expert
 gradients after summing the EP = 1 gradients over ranks (the EP layer's expert gradients already
-gather every rank's tokens). The ring mode (``--moeblaze-ep-mode ring``: RelayMoE's ring, no
-exchange) is checked the same way. The stock allgather dispatcher at the same EP size is a second
+gather every rank's tokens). The ring modes (``--moeblaze-ep-mode ring`` with the expert and the
+token ring: RelayMoE's ring, no exchange) and ``--moeblaze-ep-mode auto`` are checked the same way. The stock allgather dispatcher at the same EP size is a second
 reference. The receive buffers must hold exactly one row per unique (token, rank) pair.
 """
 
@@ -44,8 +44,18 @@ CASES = [
         None,
     ),
     ("top1_gelu", dict(moe_router_topk=1, moe_router_pre_softmax=True, activation="gelu"), None),
+    # Megatron's MoE-layer recompute re-runs the exchange (or the ring) in backward.
+    ("moe_recompute", dict(moe_router_topk=2, recompute_granularity="selective", recompute_modules=["moe"]), None),
 ]
 NUM_EXPERTS = 8
+# The MoEBlaze layers at EP = world size: their options.
+EP_LAYERS = {
+    "ep": MoEBlazeConfig(),
+    "ring_expert": MoEBlazeConfig(ep_mode="ring", ring_mode="expert"),
+    "ring_token": MoEBlazeConfig(ep_mode="ring", ring_mode="token"),
+    "ring_fc1": MoEBlazeConfig(ep_mode="ring", recompute="fc1"),
+    "auto": MoEBlazeConfig(ep_mode="auto"),
+}
 TOL = 1e-5  # fp32: the EP and EP = 1 paths differ only in summation order
 
 
@@ -61,13 +71,14 @@ def _ep_worker(rank, world_size, port):
             overrides = dict(overrides)
             activation = overrides.pop("activation", "swiglu")
             layers = {}
-            for label, dispatcher, ep in (("ep1", "moeblaze", 1), ("ep", "moeblaze", world_size),
-                                          ("ring", "moeblaze", world_size), ("stock", "allgather", world_size)):
+            variants = [("ep1", "moeblaze", 1), *((label, "moeblaze", world_size) for label in EP_LAYERS),
+                        ("stock", "allgather", world_size)]
+            for label, dispatcher, ep in variants:
                 config = moe_config(
                     dispatcher, activation, num_moe_experts=NUM_EXPERTS, expert_model_parallel_size=ep, **overrides
                 )
-                if label == "ring":
-                    set_moeblaze_config(config, MoEBlazeConfig(ep_mode="ring"))
+                if label in EP_LAYERS:
+                    set_moeblaze_config(config, EP_LAYERS[label])
                 seed_everything(7)
                 layers[label] = build_moe_layer(config, pg_collection=ep1_groups if ep == 1 else None)
             reference = layers["ep1"]
@@ -81,7 +92,7 @@ def _ep_worker(rank, world_size, port):
                     local[f"experts.local_experts.{i}.{fc}.weight"] = full[
                         f"experts.local_experts.{rank * per_rank + i}.{fc}.weight"
                     ]
-            for label in ("ep", "ring", "stock"):
+            for label in (*EP_LAYERS, "stock"):
                 layers[label].load_state_dict(local)
 
             routing_maps = []
@@ -90,14 +101,24 @@ def _ep_worker(rank, world_size, port):
             x = torch.randn(10, 2, 32, generator=generator)
             upstream = torch.randn(10, 2, 32, generator=generator)
             results = {}
+            expert_calls = []
             for label, layer in layers.items():
+                calls = layer.experts.register_forward_pre_hook(lambda m, a: expert_calls.append(label))
                 xx = x.clone().requires_grad_()
                 out, _ = layer(xx)
                 (out * upstream).sum().backward()
+                calls.remove()
                 results[label] = (out.detach(), xx.grad, named_grads(layer))
             hook.remove()
+            # With MoE-layer recompute every layer's experts run again in backward.
+            runs = 2 if layers["ep1"].moe_layer_recompute else 1
+            assert expert_calls == [label for label in layers for _ in range(runs)], (name, expert_calls)
+            modes = {label: layers[label].token_dispatcher.mode for label in EP_LAYERS}
+            assert modes["ep"] == "alltoall" and modes["ring_expert"] == "expert" and modes["ring_token"] == "token"
+            assert modes["ring_fc1"] == "auto"  # the ring picks its mode itself
+            assert modes["auto"] in ("alltoall", "expert", "token"), modes
             # Deterministic: a second run of the EP layers repeats the first bit for bit.
-            for label in ("ep", "ring"):
+            for label in EP_LAYERS:
                 layers[label].zero_grad()
                 xx = x.clone().requires_grad_()
                 out, _ = layers[label](xx)
@@ -108,7 +129,7 @@ def _ep_worker(rank, world_size, port):
                 ), f"{name}/{label}"
 
             ref_out, ref_dx, ref_grads = results["ep1"]
-            for label in ("ep", "ring", "stock"):
+            for label in (*EP_LAYERS, "stock"):
                 out, dx, grads = results[label]
                 assert rel_error(out, ref_out) < TOL, f"{name}/{label}: output"
                 assert rel_error(dx, ref_dx) < TOL, f"{name}/{label}: input gradient"
@@ -118,7 +139,7 @@ def _ep_worker(rank, world_size, port):
                 want = torch.stack([ref_grads[f"experts.local_experts.{e}.{fc}.weight"] for e in range(NUM_EXPERTS)])
                 dist.all_reduce(want)
                 for i in range(per_rank):
-                    for label in ("ep", "ring", "stock"):
+                    for label in (*EP_LAYERS, "stock"):
                         got = results[label][2][f"experts.local_experts.{i}.{fc}.weight"]
                         err = rel_error(got, want[rank * per_rank + i])
                         assert err < TOL, f"{name}/{label}: expert {i} {fc} gradient, relative error {err:.3g}"
@@ -132,7 +153,7 @@ def _ep_worker(rank, world_size, port):
             assert received == int(pairs_to[rank]), f"{name}: received {received}, expected {int(pairs_to[rank])}"
             slots = torch.tensor([int(routing_map.sum())])
             dist.all_reduce(slots)
-            report[name] = {"received": received, "pairs_to_rank": int(pairs_to[rank]), "total_slots": int(slots)}
+            report[name] = {"auto_mode": modes["auto"], "received": received, "pairs_to_rank": int(pairs_to[rank]), "total_slots": int(slots)}
     return report
 
 

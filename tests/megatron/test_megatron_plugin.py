@@ -243,13 +243,17 @@ def test_parser_tp_with_expert_tp_1_accepted(monkeypatch):
     assert args.expert_tensor_parallel_size == 1
 
 
-def test_ep_mode_flag(monkeypatch):
-    for flags, want in (([], "alltoall"), (["--moeblaze-ep-mode", "ring"], "ring"),
-                        (["--moeblaze-ep-mode", "auto"], "auto")):
+def test_ep_and_ring_mode_flags(monkeypatch):
+    for flags, want in (([], ("alltoall", "auto")), (["--moeblaze-ep-mode", "ring"], ("ring", "auto")),
+                        (["--moeblaze-ep-mode", "auto", "--moeblaze-ring-mode", "token"], ("auto", "token")),
+                        (["--moeblaze-ep-mode", "ring", "--moeblaze-ring-mode", "expert"], ("ring", "expert"))):
         args = _parse(monkeypatch, ["--moe-token-dispatcher-type", "moeblaze", *flags])
-        assert megatron_plugin.moeblaze_config_from_args(args).ep_mode == want
+        options = megatron_plugin.moeblaze_config_from_args(args)
+        assert (options.ep_mode, options.ring_mode) == want
     with pytest.raises(ValueError, match="ep_mode must be one of"):
         MoEBlazeConfig(ep_mode="relay")
+    with pytest.raises(ValueError, match="ring_mode must be one of"):
+        MoEBlazeConfig(ring_mode="weights")
 
 
 def test_transformer_config_from_args_attaches_options(monkeypatch):

@@ -2,7 +2,8 @@
 processes: the MoE layer (with tensor-parallel shared experts) receives each rank's sequence shard,
 as it does inside a TransformerLayer. MoEBlaze is compared with the stock allgather dispatcher and
 with the stock layer in float64, at EP = 1 and with the experts spread over the two TP ranks
-(EP = 2). Every rank compares its outputs and local gradients.
+(EP = 2: the alltoall exchange and both rings). Every rank compares its outputs and local
+gradients.
 
 (A whole GPTModel with sequence parallelism needs Transformer Engine or Apex layer norms, which
 this machine does not have; the MoE layer is the part this plugin changes.)
@@ -22,6 +23,7 @@ from megatron_testing import (
     rel_error,
     seed_everything,
 )
+from moeblaze_megatron.config import MoEBlazeConfig, set_moeblaze_config
 from moeblaze_megatron.training.named_grads import sequential_named_grads as named_grads
 
 SEQ, BATCH, HIDDEN = 16, 2, 32
@@ -41,16 +43,21 @@ def _tp_worker(rank, world_size, port, expert_parallel):
             moe_router_topk=3,
             moe_shared_expert_intermediate_size=16,
         )
+        variants = [("stock", "allgather", None), ("moeblaze", "moeblaze", MoEBlazeConfig()),
+                    ("oracle", "allgather", None)]
+        if expert_parallel > 1:
+            variants += [(f"ring_{mode}", "moeblaze", MoEBlazeConfig(ep_mode="ring", ring_mode=mode))
+                         for mode in ("expert", "token")]
         layers = {}
-        for label, dispatcher, dtype in (
-            ("stock", "allgather", torch.float32),
-            ("moeblaze", "moeblaze", torch.float32),
-            ("oracle", "allgather", torch.float64),
-        ):
+        for label, dispatcher, options in variants:
             seed_everything(50)
-            layers[label] = build_moe_layer(moe_config(dispatcher, dtype=dtype, **overrides))
-        copy_parameters(layers["stock"], layers["moeblaze"])
-        copy_parameters(layers["stock"], layers["oracle"])
+            config = moe_config(dispatcher, dtype=torch.float64 if label == "oracle" else torch.float32, **overrides)
+            if options is not None:
+                set_moeblaze_config(config, options)
+            layers[label] = build_moe_layer(config)
+        for label in layers:
+            if label != "stock":
+                copy_parameters(layers["stock"], layers[label])
         assert layers["moeblaze"].shared_experts.linear_fc1.weight.shape[0] == 16  # 2*16 / TP 2
 
         rows_seen = []
@@ -71,7 +78,7 @@ def _tp_worker(rank, world_size, port, expert_parallel):
         if expert_parallel == 1:
             assert rows_seen == [SEQ // 2 * BATCH], rows_seen
         want = results["oracle"]
-        for label in ("stock", "moeblaze"):
+        for label in (name for name in layers if name != "oracle"):
             assert results[label].keys() == want.keys()
             bad = {
                 k: rel_error(v, want[k])
