@@ -34,7 +34,7 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .config import RING_MODES, expert_tp_problem, get_moeblaze_config
-from .parallel.alltoall import plan_token_exchange
+from .parallel.alltoall import prepare_send
 from .parallel.ring import group_mean_tokens
 from .parallel.volume import LayerTraffic, choose_mode
 from .routing import RoutingPlan, build_routing_plan
@@ -160,9 +160,9 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
         if self.mode != "alltoall":
             self.topk_ids = topk_ids
             return hidden_states, topk_probs
-        self.exchange, send_ids, send_cols = plan_token_exchange(topk_ids, self.num_local_experts, self.ep_size)
-        self.topk_ids = send_ids
-        send_probs = torch.where(send_ids >= 0, self.exchange.gather(topk_probs).gather(1, send_cols), 0)
+        self.exchange, self.topk_ids, send_probs = prepare_send(
+            topk_ids, topk_probs, self.num_local_experts, self.ep_size
+        )
         return self.exchange.gather(hidden_states), send_probs
 
     def token_dispatch(self, hidden_states, probs):
@@ -179,9 +179,10 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
             routing = ExpertRouting(self.topk_ids, None, self.ep_group, self.mode)
             self.topk_ids = None
             return hidden_states, routing, probs
-        plan = build_routing_plan(
-            self.topk_ids, self.num_local_experts, method=self.routing_method, validate=False
-        )
+        plan = build_routing_plan(self.topk_ids, self.num_local_experts, method=self.routing_method, validate=False)
+        if self.mode == "alltoall":
+            # Expert-order buffers as long as the slots received, not received rows x K.
+            plan = plan.trimmed(self.exchange.num_received_slots)
         routing = ExpertRouting(self.topk_ids, plan)
         self.topk_ids = None
         return hidden_states, routing, probs

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..moe_mlp import moe_mlp
 from ..reference import sum_slots
+from ..routing import build_routing_plan
 
-__all__ = ["TokenExchange", "plan_token_exchange"]
+__all__ = ["TokenExchange", "alltoall_moe", "plan_token_exchange", "prepare_send"]
 
 
 @dataclass
@@ -31,25 +33,34 @@ class TokenExchange:
     send_token [S]: source token of each send row (rank-major, tokens ascending per rank);
     send_slot [T, R]: row of (token t, rank r) in the send buffer, -1 if t does not go to r;
     send_counts / recv_counts: rows sent to / received from each rank (host ints, the
-        all-to-all splits; recv_counts is filled in by ``exchange_counts``).
+        all-to-all splits; recv_counts is filled in by ``exchange_counts``);
+    send_slots / recv_slots: the (token, expert) slots those rows carry, per rank.
     """
 
     send_token: torch.Tensor
     send_slot: torch.Tensor
     send_counts: list[int]
+    send_slots: list[int]
     recv_counts: list[int] | None = None
+    recv_slots: list[int] | None = None
 
     @property
     def num_received(self) -> int:
         """Rows this rank receives: its (token, rank) pairs from every source."""
         return sum(self.recv_counts)
 
+    @property
+    def num_received_slots(self) -> int:
+        """The (token, expert) slots of the received rows: how many rows this rank's experts
+        compute, what sizes their expert-order buffers (``RoutingPlan.trimmed``)."""
+        return sum(self.recv_slots)
+
     def exchange_counts(self, group) -> None:
-        """Tell every rank how many rows it gets from this one (a small all-to-all)."""
-        send = torch.tensor(self.send_counts, dtype=torch.int64, device=self.send_token.device)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-        self.recv_counts = recv.tolist()
+        """Tell every rank how many rows, and slots, it gets from this one (a small all-to-all)."""
+        send = torch.tensor([self.send_counts, self.send_slots], dtype=torch.int64, device=self.send_token.device)
+        recv = torch.empty_like(send.t().contiguous())
+        dist.all_to_all_single(recv, send.t().contiguous(), group=group)
+        self.recv_counts, self.recv_slots = (list(c) for c in zip(*recv.tolist()))
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """The send buffer: ``rows[send_token]`` (differentiable; deterministic backward)."""
@@ -81,10 +92,13 @@ def plan_token_exchange(topk_ids: torch.Tensor, num_local_experts: int, ep_size:
     ids = topk_ids.long()
     used = ids >= 0
     dest_rank = torch.where(used, torch.div(ids, num_local_experts, rounding_mode="floor"), -1)
-    goes_to = (dest_rank[:, :, None] == torch.arange(ep_size, device=device)).any(dim=1)  # [T, R]
+    to_rank = dest_rank[:, :, None] == torch.arange(ep_size, device=device)  # [T, K, R]
+    goes_to = to_rank.any(dim=1)  # [T, R]
     # (rank, token) pairs in row-major order of goes_to.T: rank-major, tokens ascending.
     send_rank, send_token = goes_to.t().nonzero(as_tuple=True)
-    send_counts = goes_to.sum(dim=0).tolist()
+    # Slots per destination rank: its experts among each token's (one host synchronization for both).
+    slots_to = to_rank.sum(dim=(0, 1))
+    send_counts, send_slots = torch.stack([goes_to.sum(dim=0), slots_to]).tolist()
     slot = torch.full((num_tokens, ep_size), -1, dtype=torch.long, device=device)
     slot[send_token, send_rank] = torch.arange(send_token.numel(), device=device)
     local = ids[send_token] - send_rank[:, None] * num_local_experts
@@ -94,7 +108,33 @@ def plan_token_exchange(topk_ids: torch.Tensor, num_local_experts: int, ep_size:
     width = min(topk, num_local_experts)
     send_cols = torch.sort(torch.where(here, local, num_local_experts), dim=1, stable=True).indices[:, :width]
     send_ids = torch.where(here, local, -1).gather(1, send_cols).to(torch.int32)
-    return TokenExchange(send_token, slot, send_counts), send_ids, send_cols
+    return TokenExchange(send_token, slot, send_counts, send_slots), send_ids, send_cols
+
+
+def prepare_send(topk_ids: torch.Tensor, topk_probs: torch.Tensor, num_local_experts: int, ep_size: int):
+    """``(exchange, send_ids, send_probs)``: the exchange's layout (``plan_token_exchange``), and
+    per send row the destination's local expert ids and their router probabilities (0 where
+    unused; differentiable in ``topk_probs``)."""
+    exchange, send_ids, send_cols = plan_token_exchange(topk_ids, num_local_experts, ep_size)
+    send_probs = torch.where(send_ids >= 0, exchange.gather(topk_probs).gather(1, send_cols), 0)
+    return exchange, send_ids, send_probs
+
+
+def alltoall_moe(x, topk_ids, topk_probs, fc1_weight, fc2_weight, group, *, activation: str = "swiglu",
+                 recompute: str = "activation", backend: str = "auto", routing_method: str = "auto") -> torch.Tensor:
+    """The MoE experts over an expert-parallel ``group``, each token sent once per destination
+    rank: ``ring_moe``'s arguments and result (x [T, d], global ``topk_ids`` [T, K], this rank's
+    experts), through the exchange Megatron's dispatcher runs in its six stages."""
+    experts = fc1_weight.shape[0]
+    exchange, send_ids, send_probs = prepare_send(topk_ids, topk_probs, experts, dist.get_world_size(group))
+    exchange.exchange_counts(group)
+    ids = exchange.dispatch(send_ids, group)
+    rows = exchange.dispatch(exchange.gather(x), group)
+    probs = exchange.dispatch(send_probs, group)
+    plan = build_routing_plan(ids, experts, method=routing_method, validate=False).trimmed(exchange.num_received_slots)
+    out = moe_mlp(rows, ids, probs, fc1_weight, fc2_weight, activation, plan=plan, recompute=recompute,
+                  backend=backend)
+    return exchange.combine(exchange.give_back(out, group))
 
 
 def all_to_all(x: torch.Tensor, recv_counts, send_counts, group) -> torch.Tensor:

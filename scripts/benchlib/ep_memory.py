@@ -1,33 +1,42 @@
 """A memory and overlap model of one MoE layer under expert parallelism, per rank.
 
-For a layer (width d, expert hidden h, E experts, top-k K, SwiGLU), T tokens per rank, P ranks and
-uniform routing, it gives what each way of running the experts keeps for backward and its
-transient peak, in bytes:
+For a layer (width d, expert hidden h, E experts, top-k K, SwiGLU), T tokens per rank and P ranks
+it gives, in bytes, what each way of running the experts keeps for backward (``saved_bytes``) and
+its largest transient footprint (``transient_bytes``: what lives only while the layer runs,
+forward or backward, on top of what it keeps). The formulas follow the code, buffer by buffer:
 
-* stock alltoall (Megatron's alltoall dispatcher + SequentialMLP/GroupedMLP): every (token,
-  expert) slot is a row: each rank receives T*K rows. Saved: the dispatched rows [T*K, d], fc1's
-  output [T*K, 2h], the activation [T*K, h], the expert output [T*K, d] (the unpermute's
-  probability gradient). Transient: send and receive buffers of T*K rows both ways plus the
-  expert intermediates.
-* our alltoall (``ep_mode="alltoall"``): one row per (token, destination rank): R = T*P*(1 -
-  (1 - 1/P)^K) rows received per rank. Saved: the received rows [R, d] and the pre-activations
-  [T*K, 2h] (``recompute="fc1"``: the rows only), plus the index maps.
-* ring (``ep_mode="ring"``): saved only the input [T, d], the ids and the probabilities. A hop
-  handles T*K/P slots; the transient is two weight shards (expert ring: the one in use and the
-  one arriving) or two token blocks with their output accumulators (token ring), plus one hop's
-  intermediates.
+* stock: Megatron's alltoall dispatcher + SequentialMLP (TransformerConfig's defaults: unfused
+  SwiGLU). Every (token, expert) slot is a row: a rank receives S = T*K rows. Saved: the
+  dispatched rows [S, d], fc1's output [S, 2h], four [S, h] tensors of the activation and the
+  probability scaling, the probabilities and the int64 permutation maps (one of them [T, E]). Transient (an estimate,
+  not measured at EP > 1): the permuted send rows, the received rows' experts' outputs and the
+  rows coming back, [S, d] each.
+* alltoall (ours, ``ep_mode="alltoall"``): one row per (token, destination rank): R rows received.
+  Saved: the received rows [R, d], the pre-activations [S, 2h] (none with ``recompute="fc1"``;
+  the plan is trimmed to the S slots), the received ids and probabilities, the plan's int32 maps
+  and the exchange's int64 maps.
+  Transient: the send rows, the partial outputs going back and returned, and the fused op's own
+  buffers over S slots.
+* expert and token rings: saved only the input [T, d], the int32 ids and the probabilities. A hop
+  computes S/P slots. Transient: the ring's buffers (two weight shards and, in backward, the
+  float32 gradient accumulators; or two token blocks and their float32 accumulators), the float32
+  output / input-gradient accumulator, and the fused op's buffers over one hop's slots.
 
-Per hop, compute against transfer: the expert ring sends one weight shard (3*(E/P)*h*d elements),
-the token ring one token block and its accumulator. The ring overlaps transfer with compute when
-a hop's compute takes at least its transfer.
+Counts are expectations under uniform routing (``parallel.volume.received_rows``) unless measured
+ones are given (``Counts``). The fused op's buffers (``op_transient``) are the Triton path's
+(fused.py); the plan build's scratch is left out. Per hop, compute against transfer: the ring
+overlaps its transfers when a hop's compute takes at least its transfer (``hop_times``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-INDEX_BYTES = 4  # int32 ids and index maps
-PROB_BYTES = 4  # float32 router probabilities
+from moeblaze_megatron.parallel.volume import LayerTraffic, hop_bytes, received_rows
+
+INDEX_BYTES = 4  # int32 ids and plan maps
+LONG_BYTES = 8  # int64 permutation and exchange maps
+MODES = ("stock", "alltoall", "expert_ring", "token_ring")
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,7 @@ class LayerShape:
     experts: int
     topk: int
     dtype_bytes: int = 2
+    prob_bytes: int = 4
 
 
 LAYERS = {
@@ -45,106 +55,173 @@ LAYERS = {
 }
 
 
-def received_rows(tokens: int, ranks: int, topk: int) -> float:
-    """Expected rows one rank receives from all ranks when each token travels once per destination
-    rank (uniform routing, top-k of many experts)."""
-    return tokens * ranks * (1 - (1 - 1 / ranks) ** topk)
+@dataclass(frozen=True)
+class Counts:
+    """Row counts of one rank: ``received`` rows of the alltoall exchange (its own included),
+    ``sent`` rows, ``slots`` (token, expert) pairs it computes, ``hop_slots`` the largest one
+    hop of a ring computes."""
+
+    received: float
+    sent: float
+    slots: float
+    hop_slots: float
 
 
-def shard_bytes(layer: LayerShape, ranks: int) -> int:
-    """One rank's expert weights (fc1 [2h, d] and fc2 [d, h] per expert)."""
-    return 3 * layer.experts // ranks * layer.h * layer.d * layer.dtype_bytes
+def expected_counts(layer: LayerShape, tokens: int, ranks: int) -> Counts:
+    rows = received_rows(tokens, ranks, layer.topk)
+    slots = tokens * layer.topk
+    return Counts(received=rows, sent=rows, slots=slots, hop_slots=slots / ranks)
 
 
-def saved_bytes(layer: LayerShape, tokens: int, ranks: int, mode: str, recompute: str = "activation") -> float:
+def shard_numel(layer: LayerShape, ranks: int) -> int:
+    """Elements of one rank's expert weights (fc1 [2h, d] and fc2 [d, h] per expert)."""
+    return 3 * layer.experts // ranks * layer.h * layer.d
+
+
+def traffic(layer: LayerShape, tokens: float, ranks: int) -> LayerTraffic:
+    return LayerTraffic(tokens=tokens, hidden=layer.d, topk=layer.topk, experts_per_rank=layer.experts // ranks,
+                        ranks=ranks, weight_numel=shard_numel(layer, ranks), dtype_bytes=layer.dtype_bytes,
+                        prob_bytes=layer.prob_bytes, weight_bytes=layer.dtype_bytes)
+
+
+def saved_bytes(layer: LayerShape, tokens: int, ranks: int, mode: str, recompute: str = "activation",
+                counts: Counts | None = None) -> float:
     """Bytes one rank keeps for backward in one MoE layer (the expert weights left out)."""
-    b, d, h, K = layer.dtype_bytes, layer.d, layer.h, layer.topk
-    slots = tokens * K
+    b, pb, d, h, K = layer.dtype_bytes, layer.prob_bytes, layer.d, layer.h, layer.topk
+    c = counts or expected_counts(layer, tokens, ranks)
     if mode == "stock":
-        return slots * (d + 2 * h + h + d) * b + slots * (INDEX_BYTES + PROB_BYTES)
+        # The dispatched rows, fc1's output and four [S, h] tensors, the probabilities and the
+        # permutation map per slot; the top-k ids and the dense routing map's int64 index [T, E].
+        return (c.slots * ((d + 2 * h + 4 * h) * b + pb + LONG_BYTES)
+                + tokens * (K + layer.experts) * LONG_BYTES)
     if mode == "alltoall":
-        rows = received_rows(tokens, ranks, K)
-        pre = slots * 2 * h * b if recompute == "activation" else 0
-        # The received rows, their ids and probabilities, the plan's three [slots] maps.
-        return rows * d * b + pre + rows * K * (INDEX_BYTES + PROB_BYTES) + 3 * slots * INDEX_BYTES
+        cols = min(K, layer.experts // ranks)
+        pre = c.slots * 2 * h * b if recompute == "activation" else 0
+        # Received rows, ids, probabilities and the plan's token_index_map; its expert_token_indices
+        # (trimmed to the slots); the exchange's maps: send_slot [T, P], and per sent row
+        # send_token, send_cols (int64), the probabilities' where-mask (bool) and the gathered
+        # probabilities.
+        received = c.received * (d * b + cols * (2 * INDEX_BYTES + pb)) + c.slots * INDEX_BYTES
+        exchange = tokens * ranks * LONG_BYTES + c.sent * (LONG_BYTES + cols * (LONG_BYTES + 1 + pb))
+        return received + pre + exchange
     if mode in ("expert_ring", "token_ring"):
-        return tokens * d * b + tokens * K * (INDEX_BYTES + PROB_BYTES)
-    raise ValueError(f"mode must be stock, alltoall, expert_ring or token_ring, got {mode!r}")
+        return tokens * (d * b + K * (INDEX_BYTES + pb))
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
-def hop_intermediates(layer: LayerShape, slots: float) -> float:
-    """The expert intermediates of ``slots`` routed rows: pre-activations [2h], activation [h] and
-    expert output [d], plus the plan's maps."""
-    b = layer.dtype_bytes
-    return slots * ((2 * layer.h + layer.h + layer.d) * b + 3 * INDEX_BYTES)
+def op_transient(layer: LayerShape, rows: float, tokens: float, experts: int, out_bytes: int,
+                 recompute: bool) -> tuple[float, float]:
+    """The fused op's own buffers over ``rows`` slots of ``tokens`` tokens on ``experts`` experts
+    (fused.py), ``(forward, backward)``: forward h and the expert outputs in expert order, then
+    y [T, d] in ``out_bytes``; backward the pre-activations where ``recompute`` (else the saved
+    ones take their gradient in place), h scaled, the router-gradient partials, both weight
+    gradients, the input gradient's rows and dx [T, d]."""
+    b, d, h = layer.dtype_bytes, layer.d, layer.h
+    forward = rows * (h + d) * b + rows * layer.prob_bytes + tokens * d * out_bytes
+    grads = experts * 3 * h * d * b
+    pre = 2 * h if recompute else 0
+    backward = rows * (pre + h + d) * b + rows * 4 * max(1, h // 64) + grads + tokens * d * b
+    return forward, backward
 
 
-def transient_bytes(layer: LayerShape, tokens: int, ranks: int, mode: str) -> float:
-    """The layer's largest transient footprint on one rank in forward or backward (what lives only
-    during the layer), besides what it keeps for backward."""
+def transient_bytes(layer: LayerShape, tokens: int, ranks: int, mode: str, counts: Counts | None = None,
+                    op=None) -> float:
+    """The layer's largest transient footprint on one rank, forward or backward, besides what it
+    keeps. ``op(rows, tokens, experts, out_bytes, recompute) -> (forward, backward)`` gives the
+    expert op's own buffers (the fused op's by default, ``op_transient``)."""
     b, d, K = layer.dtype_bytes, layer.d, layer.topk
-    slots = tokens * K
+    c = counts or expected_counts(layer, tokens, ranks)
+    op = op or (lambda *args: op_transient(layer, *args))
+    local = layer.experts // ranks
     if mode == "stock":
-        # Permuted send rows, received rows, the experts' intermediates, the output coming back.
-        return 2 * slots * d * b + hop_intermediates(layer, slots) + 2 * slots * d * b
+        # The permuted send rows, the experts' outputs and the rows coming back.
+        return 3 * c.slots * d * b
     if mode == "alltoall":
-        rows = received_rows(tokens, ranks, K)
-        return 2 * rows * d * b + hop_intermediates(layer, slots) + 2 * rows * d * b
-    hop = hop_intermediates(layer, slots / ranks)
-    accumulator = tokens * d * 4  # float32 output (forward) or input gradient (backward)
+        fwd, bwd = op(c.slots, c.received, local, b, False)
+        sent, received, out = c.sent * d * b, c.received * d * b, tokens * d * b
+        # Forward, phase by phase: the send rows while the received ones arrive; the op (its
+        # partial outputs included); the partials and the rows they come back to; those and the
+        # output [T, d].
+        forward = max(sent, fwd, received + sent, sent + out)
+        # Backward, with the output alive: the output gradient's rows out and in; the op on them;
+        # the input gradient's rows in and out; those and dx [T, d].
+        backward = out + max(sent + received, received + bwd, received + sent, sent + out)
+        return max(forward, backward)
+    acc = 4 if b < 4 else b
+    fwd, bwd = op(c.hop_slots, tokens, local, acc, True)
     if mode == "expert_ring":
-        # Backward: two weight shards and two weight-gradient shards (one arriving, one leaving).
-        return 4 * shard_bytes(layer, ranks) + hop + accumulator
+        shard = shard_numel(layer, ranks)
+        # Forward: the output accumulator, two shards (in use, arriving) and a hop's op.
+        forward = tokens * d * acc + 2 * shard * b + fwd
+        # Backward, with the output alive: two shards, two float32 gradient accumulators (leaving,
+        # arriving), the input- and probability-gradient accumulators, and a hop's op (its weight
+        # gradients included).
+        backward = tokens * d * b + 2 * shard * b + 2 * shard * acc + tokens * (d + K) * acc + bwd
+        return max(forward, backward)
     if mode == "token_ring":
-        block = tokens * (d * b + K * (INDEX_BYTES + PROB_BYTES))
-        # Backward blocks carry their output gradient too; two blocks, two accumulators in flight.
-        return 2 * (block + tokens * d * b) + 2 * tokens * d * b + hop + accumulator
-    raise ValueError(f"mode must be stock, alltoall, expert_ring or token_ring, got {mode!r}")
+        block = tokens * (d * b + K * (INDEX_BYTES + layer.prob_bytes))
+        # Forward: the arriving block and two output accumulators (leaving, arriving) and a hop's op.
+        forward = block + 2 * tokens * d * acc + fwd
+        # Backward, with the output alive: the arriving block with its output gradient, two pairs
+        # of input- and probability-gradient accumulators, this rank's weight-gradient sums, and
+        # a hop's op.
+        backward = (tokens * d * b + block + tokens * d * b + 2 * tokens * (d + K) * acc
+                    + shard_numel(layer, ranks) * acc + bwd)
+        return max(forward, backward)
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
-def hop_transfer_bytes(layer: LayerShape, tokens: int, ranks: int, mode: str) -> float:
-    """Bytes one rank sends per forward hop."""
-    if mode == "expert_ring":
-        return shard_bytes(layer, ranks)
-    if mode == "token_ring":
-        return tokens * (2 * layer.d * layer.dtype_bytes + layer.topk * (INDEX_BYTES + PROB_BYTES))
-    raise ValueError(f"mode must be expert_ring or token_ring, got {mode!r}")
+def hop_flops(layer: LayerShape, tokens: float, ranks: int) -> tuple[float, float]:
+    """FLOPs of one hop's expert GEMMs on T*K/P slots (SwiGLU: fc1 2h x d, fc2 d x h), forward
+    and backward (backward: fc1 recomputed, then dH, dX, dW1, dW2)."""
+    forward = 2 * (tokens * layer.topk / ranks) * 3 * layer.h * layer.d
+    return forward, 3 * forward
 
 
-def hop_flops(layer: LayerShape, tokens: int, ranks: int) -> float:
-    """Forward FLOPs of one hop's expert GEMMs (SwiGLU: fc1 2h x d, fc2 d x h) on T*K/P slots."""
-    return 2 * (tokens * layer.topk / ranks) * 3 * layer.h * layer.d
+def hop_times(layer: LayerShape, tokens: int, ranks: int, mode: str, *, tflops: float, link_gbps: float,
+              measured_ms: tuple[float, float] | None = None) -> dict:
+    """One ring hop's compute (at ``tflops``, or ``measured_ms``) against its transfer (at
+    ``link_gbps`` GB/s one way), forward and backward, in ms."""
+    ring = mode.removesuffix("_ring")
+    sent = hop_bytes(ring, traffic(layer, tokens, ranks))
+    compute = measured_ms or tuple(f / (tflops * 1e12) * 1e3 for f in hop_flops(layer, tokens, ranks))
+    transfer = tuple(s / (link_gbps * 1e9) * 1e3 for s in sent)
+    return {"hop_compute_ms": list(compute), "hop_transfer_ms": list(transfer),
+            "overlaps": all(c >= t for c, t in zip(compute, transfer)), "compute_measured": measured_ms is not None}
 
 
 def model_rows(layer_name: str, layer: LayerShape, tokens: int, ranks: int, *, tflops: float,
-               link_gbps: float) -> list[dict]:
+               link_gbps: float, measured: dict | None = None) -> list[dict]:
     """One record per way of running the layer: saved and transient MiB, and for the rings the
-    per-hop compute and transfer times (ms) at ``tflops`` and ``link_gbps`` (GB/s one way)."""
+    per-hop compute and transfer times. ``measured``: {(layer, tokens, ranks): (fwd ms, bwd ms)}
+    of one hop on a GPU, used in place of the ``tflops`` estimate where present."""
     rows = []
-    compute_ms = hop_flops(layer, tokens, ranks) / (tflops * 1e12) * 1e3
-    for mode in ("stock", "alltoall", "expert_ring", "token_ring"):
+    for mode in MODES:
         record = {"layer": layer_name, "tokens_per_rank": tokens, "P": ranks, "mode": mode,
                   "saved_MiB": saved_bytes(layer, tokens, ranks, mode) / 2**20,
                   "transient_MiB": transient_bytes(layer, tokens, ranks, mode) / 2**20}
         if mode.endswith("ring"):
-            transfer_ms = hop_transfer_bytes(layer, tokens, ranks, mode) / (link_gbps * 1e9) * 1e3
-            record.update(hop_compute_ms=compute_ms, hop_transfer_ms=transfer_ms,
-                          overlaps=compute_ms >= transfer_ms)
+            hop = (measured or {}).get((layer_name, tokens, ranks))
+            record.update(hop_times(layer, tokens, ranks, mode, tflops=tflops, link_gbps=link_gbps, measured_ms=hop))
         rows.append(record)
     return rows
 
 
 def table_lines(records: list[dict]) -> list[str]:
-    """A markdown table of ``model_rows`` records, with each ring's saved bytes against ours and
-    stock's."""
-    lines = ["| layer | T/rank | P | mode | saved MiB | x ours | x stock | transient MiB | hop compute ms | hop transfer ms | overlaps |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """A markdown table of ``model_rows`` records: saved and saved + transient (the layer's peak
+    above its weights) against ours and stock's, and the rings' hop times (forward / backward)."""
+    lines = ["| layer | T/rank | P | mode | saved MiB | saved + transient MiB | x stock | hop compute ms | "
+             "hop transfer ms | overlaps |", "|---|---|---|---|---|---|---|---|---|---|"]
     by_key = {(r["layer"], r["tokens_per_rank"], r["P"], r["mode"]): r for r in records}
     for r in records:
-        key = (r["layer"], r["tokens_per_rank"], r["P"])
-        ours, stock = by_key[(*key, "alltoall")]["saved_MiB"], by_key[(*key, "stock")]["saved_MiB"]
-        hop = (f"{r['hop_compute_ms']:.3f} | {r['hop_transfer_ms']:.3f} | {'yes' if r['overlaps'] else 'no'}"
-               if "hop_compute_ms" in r else "- | - | -")
+        stock = by_key[(r["layer"], r["tokens_per_rank"], r["P"], "stock")]
+        peak, stock_peak = (x["saved_MiB"] + x["transient_MiB"] for x in (r, stock))
+        if "hop_compute_ms" in r:
+            mark = "" if r["compute_measured"] else "~"
+            hop = (f"{mark}{r['hop_compute_ms'][0]:.2f} / {mark}{r['hop_compute_ms'][1]:.2f} | "
+                   f"{r['hop_transfer_ms'][0]:.2f} / {r['hop_transfer_ms'][1]:.2f} | {'yes' if r['overlaps'] else 'no'}")
+        else:
+            hop = "- | - | -"
         lines.append(f"| {r['layer']} | {r['tokens_per_rank']} | {r['P']} | {r['mode']} | {r['saved_MiB']:.0f} | "
-                     f"{r['saved_MiB'] / ours:.3f} | {r['saved_MiB'] / stock:.3f} | {r['transient_MiB']:.0f} | {hop} |")
+                     f"{peak:.0f} | {peak / stock_peak:.2f} | {hop} |")
     return lines

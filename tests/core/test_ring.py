@@ -1,5 +1,6 @@
-"""RelayMoE's ring (``parallel/ring.py``) on the CPU with gloo, P = 2, 3 and 4 processes: each ring
-mode against EP = 1 (``moe_mlp`` over all experts and all ranks' tokens, float64, the same global
+"""RelayMoE's ring (``parallel/ring.py``) and the framework-neutral alltoall exchange
+(``parallel/alltoall.alltoall_moe``) on the CPU with gloo, P = 2, 3 and 4 processes: each mode
+against EP = 1 (``moe_mlp`` over all experts and all ranks' tokens, float64, the same global
 weights): output, input, router-probability and every expert's weight gradients, on awkward
 routing (an expert with no tokens, every token on one rank's experts, dropped slots, top-1,
 top-k = E, ranks with different token counts, a rank with no tokens); bitwise the same on a second
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from moe_testing import run_distributed
 from moeblaze_megatron import moe_mlp
 from moeblaze_megatron.config import RING_CHOICES, RING_MODES
+from moeblaze_megatron.parallel.alltoall import alltoall_moe
 from moeblaze_megatron.parallel.ring import ring_moe, shard_row_counts
 from moeblaze_megatron.parallel.volume import MODES, LayerTraffic, choose_mode, hop_bytes, step_bytes
 from moeblaze_megatron.routing import build_routing_plan
@@ -72,7 +74,10 @@ def _ring(mode, group, rank, counts, x, ids, probs, fc1, fc2, grad_y, per_rank, 
     shard = slice(rank * per_rank, (rank + 1) * per_rank)
     dtype = dtype or x.dtype
     leaves = [t.to(dtype).clone().requires_grad_() for t in (x[lo:hi], probs[lo:hi], fc1[shard], fc2[shard])]
-    y = ring_moe(leaves[0], ids[lo:hi], leaves[1], leaves[2], leaves[3], group, mode=mode, backend=backend)
+    if mode == "alltoall":
+        y = alltoall_moe(leaves[0], ids[lo:hi], leaves[1], leaves[2], leaves[3], group, backend=backend)
+    else:
+        y = ring_moe(leaves[0], ids[lo:hi], leaves[1], leaves[2], leaves[3], group, mode=mode, backend=backend)
     y.backward(grad_y[lo:hi].to(dtype))
     return y.detach(), *(t.grad for t in leaves)
 
@@ -88,7 +93,7 @@ def _ring_worker(rank, world_size, port):
             lo, hi = sum(counts[:rank]), sum(counts[: rank + 1])
             shard = slice(rank * per_rank, (rank + 1) * per_rank)
             want_mine = (want[0][lo:hi], want[1][lo:hi], want[2][lo:hi], want[3][shard], want[4][shard])
-            for mode in RING_CHOICES:
+            for mode in ("alltoall", *RING_CHOICES):
                 got = _ring(mode, group, rank, counts, x, ids, probs, fc1, fc2, grad_y, per_rank)
                 again = _ring(mode, group, rank, counts, x, ids, probs, fc1, fc2, grad_y, per_rank)
                 for name, g, w, a in zip(("y", "dx", "dprobs", "dfc1", "dfc2"), got, want_mine, again):

@@ -282,3 +282,34 @@ def test_dense_map_beyond_int32_cells():
     got = build_routing_plan(topk_ids, num_experts, method="three_step", validate=False)
     assert_plans_identical(got, build_routing_plan(topk_ids, num_experts, method="sort"), "three_step")
     assert_plan_invariants(got, topk_ids, num_experts)
+
+
+@pytest.mark.parametrize("method", ["torch", "sort", "three_step"])
+def test_trimmed_plan_keeps_the_used_slots(method, generator):
+    """Every method puts the used slots first, so a plan cut to their count is the same plan for
+    the op: bitwise the same output and gradients (reference, and the kernels where they run)."""
+    topk_ids = drop_slots(random_topk_ids(40, 6, 3, generator), 0.4, generator).to(DEVICE)
+    plan = build(topk_ids, 6, method)
+    used = int((topk_ids >= 0).sum())
+    trimmed = plan.trimmed(used)
+    assert trimmed.expert_token_indices.shape == (used,)
+    assert torch.equal(trimmed.expert_token_indices, plan.expert_token_indices[:used])
+    assert bool((plan.expert_token_indices[used:] == -1).all())
+    assert int(plan.expert_token_offsets[-1]) == used
+    from moeblaze_megatron import moe_mlp
+
+    x = torch.randn(40, 16, generator=generator).to(DEVICE)
+    probs = torch.rand(40, 3, generator=generator).to(DEVICE)
+    fc1 = torch.randn(6, 24, 16, generator=generator).to(DEVICE)
+    fc2 = torch.randn(6, 16, 12, generator=generator).to(DEVICE)
+    backends = ["reference"] + (["triton"] if three_step_available(x.device) else [])
+    for backend in backends:
+        results = []
+        for p in (plan, trimmed):
+            leaves = [t.clone().requires_grad_() for t in (x, probs, fc1, fc2)]
+            y = moe_mlp(leaves[0], topk_ids, *leaves[1:], "swiglu", plan=p, backend=backend)
+            y.backward(torch.ones_like(y))
+            results.append([y.detach(), *(t.grad for t in leaves)])
+        assert all(torch.equal(a, b) for a, b in zip(*results)), backend
+    with pytest.raises(ValueError, match="num_rows must be in"):
+        plan.trimmed(40 * 3 + 1)
