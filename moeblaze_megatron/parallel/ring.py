@@ -38,7 +38,7 @@ from ..reference import compute_dtype
 from ..routing import build_routing_plan
 from .volume import LayerTraffic, choose_mode
 
-__all__ = ["group_mean_tokens", "layer_traffic", "ring_moe", "shard_row_counts"]
+__all__ = ["group_mean_tokens", "hop_backward", "hop_forward", "layer_traffic", "ring_moe", "shard_row_counts"]
 
 
 def shard_row_counts(topk_ids: torch.Tensor, experts_per_rank: int, ep_size: int) -> torch.Tensor:
@@ -161,6 +161,27 @@ class _Hop:
         return full.scatter_(1, self.cols, grad_probs)
 
 
+def hop_forward(x, topk_ids, topk_probs, weights, shard: int, rows: int, activation: str, backend: str,
+                method: str) -> torch.Tensor:
+    """One hop's partial output [T, d] in compute precision: ``x``'s slots routed to rank
+    ``shard``'s experts (``topk_ids`` global) through ``weights`` (that shard's fc1 and fc2),
+    nothing saved. ``rows`` must be exactly the count of those slots (``shard_row_counts``): it
+    sizes the hop's buffers, unchecked (a check would synchronize with the host)."""
+    hop = _Hop(topk_ids, shard, weights[0].shape[0], rows, method)
+    return expert_mlp_forward(x, hop.probs(topk_probs), *weights, hop.plan, activation, backend,
+                              out_dtype=compute_dtype(x.dtype))
+
+
+def hop_backward(grad_y, x, topk_ids, topk_probs, weights, shard: int, rows: int, activation: str, backend: str,
+                 method: str, needs) -> tuple:
+    """One hop's gradients ``(x, probs [T, K], fc1, fc2)`` (None where ``needs`` says), its first
+    GEMM recomputed."""
+    hop = _Hop(topk_ids, shard, weights[0].shape[0], rows, method)
+    grad_x, grad_probs, grad_fc1, grad_fc2 = expert_mlp_backward(grad_y, x, hop.probs(topk_probs), *weights, hop.plan,
+                                                                 activation, backend, needs=needs)
+    return grad_x, hop.spread(grad_probs), grad_fc1, grad_fc2
+
+
 def _add(acc, part):
     """``acc + part`` in compute precision (float32 for 16-bit parts; either may be None: nothing
     there yet)."""
@@ -221,7 +242,6 @@ class _RingMoE(torch.autograd.Function):
 
 
 def _expert_forward(ring, sizes, x, topk_ids, topk_probs, weights, activation, backend, method):
-    experts = weights[0].shape[0]
     rows = sizes[ring.rank][1:]
     y = None
     shard, spare = weights, None
@@ -233,9 +253,7 @@ def _expert_forward(ring, sizes, x, topk_ids, topk_probs, weights, activation, b
             # The next shard's transfer runs while this one computes.
             works = ring.start(list(shard), list(incoming))
         if rows[owner]:
-            hop_ = _Hop(topk_ids, owner, experts, rows[owner], method)
-            y = _add(y, expert_mlp_forward(x, hop_.probs(topk_probs), *shard, hop_.plan, activation, backend,
-                                           out_dtype=compute_dtype(x.dtype)))
+            y = _add(y, hop_forward(x, topk_ids, topk_probs, shard, owner, rows[owner], activation, backend, method))
         ring.wait(works)
         if hop < ring.size - 1:
             # The shard just sent is free for the hop after next (never our own weights).
@@ -245,7 +263,6 @@ def _expert_forward(ring, sizes, x, topk_ids, topk_probs, weights, activation, b
 
 
 def _expert_backward(ring, sizes, grad_y, x, topk_ids, topk_probs, weights, activation, backend, method, needs):
-    experts = weights[0].shape[0]
     rows = sizes[ring.rank][1:]
     want_weights = needs[2] or needs[3]
     # Each shard's gradient travels in float32 one hop behind its weights, from its owner on, and
@@ -274,10 +291,8 @@ def _expert_backward(ring, sizes, grad_y, x, topk_ids, topk_probs, weights, acti
         works = ring.start(send, recv)
         part = (None, None, None, None)
         if rows[owner]:
-            hop_ = _Hop(topk_ids, owner, experts, rows[owner], method)
-            part = expert_mlp_backward(grad_y, x, hop_.probs(topk_probs), *shard, hop_.plan, activation, backend,
-                                       needs=(needs[0], needs[1], want_weights, want_weights))
-            part = (part[0], hop_.spread(part[1]), *part[2:])
+            part = hop_backward(grad_y, x, topk_ids, topk_probs, shard, owner, rows[owner], activation, backend, method,
+                                needs=(needs[0], needs[1], want_weights, want_weights))
         grad_x = _add(grad_x, part[0])
         grad_probs = _add(grad_probs, part[1])
         ring.wait(works)
@@ -300,13 +315,10 @@ def _expert_backward(ring, sizes, grad_y, x, topk_ids, topk_probs, weights, acti
 
 
 def _token_forward(ring, sizes, x, topk_ids, topk_probs, weights, activation, backend, method):
-    experts = weights[0].shape[0]
 
     def hop(held, rows):
         x_b, ids_b, probs_b = held
-        hop_ = _Hop(ids_b, ring.rank, experts, rows, method)
-        return (expert_mlp_forward(x_b, hop_.probs(probs_b), *weights, hop_.plan, activation, backend,
-                                   out_dtype=compute_dtype(x_b.dtype)),)
+        return (hop_forward(x_b, ids_b, probs_b, weights, ring.rank, rows, activation, backend, method),)
 
     block = (x.contiguous(), topk_ids.contiguous(), topk_probs.contiguous())
     (y,) = _token_ring_pass(ring, sizes, block, hop, [(x.shape[1:], compute_dtype(x.dtype))])
@@ -314,19 +326,17 @@ def _token_forward(ring, sizes, x, topk_ids, topk_probs, weights, activation, ba
 
 
 def _token_backward(ring, sizes, grad_y, x, topk_ids, topk_probs, weights, activation, backend, method, needs):
-    experts = weights[0].shape[0]
     want_weights = needs[2] or needs[3]
     weight_grads = [None, None]
 
     def hop(held, rows):
         x_b, ids_b, probs_b, grad_y_b = held
-        hop_ = _Hop(ids_b, ring.rank, experts, rows, method)
-        gx, gp, g1, g2 = expert_mlp_backward(grad_y_b, x_b, hop_.probs(probs_b), *weights, hop_.plan, activation,
-                                             backend, needs=(True, True, want_weights, want_weights))
+        gx, gp, g1, g2 = hop_backward(grad_y_b, x_b, ids_b, probs_b, weights, ring.rank, rows, activation, backend,
+                                      method, needs=(True, True, want_weights, want_weights))
         # This rank's weight gradients, summed over the blocks in hop order.
         weight_grads[0] = _add(weight_grads[0], g1)
         weight_grads[1] = _add(weight_grads[1], g2)
-        return gx, hop_.spread(gp)
+        return gx, gp
 
     block = (x.detach().contiguous(), topk_ids.contiguous(), topk_probs.detach().contiguous(), grad_y)
     results = [(x.shape[1:], compute_dtype(x.dtype)), (topk_probs.shape[1:], compute_dtype(topk_probs.dtype))]
