@@ -4,6 +4,8 @@
     torchrun --nproc-per-node 2 scripts/bench_expert_parallel.py --device cpu --shape tiny --out DIR
 
 Every rank holds num_experts / world_size experts of each MoE layer and routes its own tokens.
+MoEBlaze runs in each of --ep-modes: ``moeblaze`` (the alltoall exchange, each token once per
+destination rank) and ``moeblaze_ring`` (RelayMoE's ring, ``--moeblaze-ep-mode ring``).
 The stock dispatcher is alltoall + SequentialMLP on GPU, allgather + SequentialMLP on the CPU (see
 STOCK).
 
@@ -43,7 +45,7 @@ warnings.filterwarnings("ignore", category=UserWarning)
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 import torch  # noqa: E402
-from benchlib.ep_bench import DEFAULTS, SHAPES, STOCK, run  # noqa: E402  (sets the NCCL defaults on import)
+from benchlib.ep_bench import DEFAULTS, MOEBLAZE_VARIANTS, SHAPES, STOCK, run  # noqa: E402  (sets the NCCL defaults on import)
 
 
 def parse_args(argv=None):
@@ -62,7 +64,13 @@ def parse_args(argv=None):
     p.add_argument("--search-seconds", type=float,
                    help="time limit of the sequence search per dispatcher (GPU only; 0 skips it; default 60)")
     p.add_argument("--skip-model", action="store_true", help="only the layer parts (1 and 2)")
+    p.add_argument("--ep-modes", default="alltoall,ring",
+                   help="MoEBlaze's expert-parallel modes to run, comma list of alltoall, ring "
+                   "(--moeblaze-ep-mode; the ring picks its expert or token ring by bytes)")
     args = p.parse_args(argv)
+    args.ep_modes = [m for m in args.ep_modes.split(",") if m]
+    if not args.ep_modes or set(args.ep_modes) - set(MOEBLAZE_VARIANTS):
+        p.error(f"--ep-modes takes a comma list of {', '.join(MOEBLAZE_VARIANTS)}, got {','.join(args.ep_modes)!r}")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     for name, value in DEFAULTS[args.device].items():

@@ -110,9 +110,39 @@ def gather_ints(values: list[int], device) -> list[list[int]]:
 # One MoE layer
 
 
+# MoEBlaze's expert-parallel modes (--ep-modes): the variant's name and its plugin flags.
+MOEBLAZE_VARIANTS = {"alltoall": ("moeblaze", []), "ring": ("moeblaze_ring", ["--moeblaze-ep-mode", "ring"])}
+
+
 def dispatchers(args) -> list[tuple[str, str]]:
-    """(dispatcher, implementation label) of the stock run and of MoEBlaze."""
-    return [(args.stock, f"stock {args.stock}+SequentialMLP"), ("moeblaze", "moeblaze")]
+    """(variant, implementation label) of the stock run and of each MoEBlaze mode."""
+    ours = [(MOEBLAZE_VARIANTS[mode][0], "moeblaze" if mode == "alltoall" else f"moeblaze {mode}")
+            for mode in args.ep_modes]
+    return [(args.stock, f"stock {args.stock}+SequentialMLP"), *ours]
+
+
+def is_moeblaze(variant: str) -> bool:
+    return variant.startswith("moeblaze")
+
+
+def variant_flags(variant: str) -> list[str]:
+    """The plugin flags of a MoEBlaze variant (none for stock)."""
+    return next((flags for name, flags in MOEBLAZE_VARIANTS.values() if name == variant), [])
+
+
+def variant_config(variant: str, dtype, device, **fields):
+    """The TransformerConfig of a variant: its dispatcher, and a MoEBlaze mode's options."""
+    from moeblaze_megatron.megatron_plugin import add_moeblaze_args, moeblaze_config_from_args
+    from moeblaze_megatron.config import set_moeblaze_config
+
+    config = transformer_config("moeblaze" if is_moeblaze(variant) else variant, dtype, device, **fields)
+    if is_moeblaze(variant):
+        import argparse
+
+        options = moeblaze_config_from_args(add_moeblaze_args(argparse.ArgumentParser()).parse_args(
+            variant_flags(variant)))
+        set_moeblaze_config(config, options)
+    return config
 
 
 def layer_fields(shape, ep: int) -> dict:
@@ -181,7 +211,7 @@ def check_layer(args, rank: Rank, device, dtype) -> list[dict]:
     layers = {"reference": reference}
     for dispatcher, _ in dispatchers(args):
         layers[dispatcher] = build_layer(
-            transformer_config(dispatcher, dtype, device.type, **layer_fields(shape, rank.world)), device)
+            variant_config(dispatcher, dtype, device.type, **layer_fields(shape, rank.world)), device)
         layers[dispatcher].load_state_dict(local)
     counts = {dispatcher: RoutingCounts(layers[dispatcher]) for dispatcher, _ in dispatchers(args)}
 
@@ -211,9 +241,11 @@ def check_layer(args, rank: Rank, device, dtype) -> list[dict]:
                 **grouped_errors(got["grads"], grads_ref)}
 
     stock = results[args.stock]
-    per_rank_errors = {"stock": errors(stock, results["reference"], want),
-                       "moeblaze": errors(results["moeblaze"], results["reference"], want),
-                       "moeblaze vs stock": errors(results["moeblaze"], stock, stock["grads"])}
+    ours = [variant for variant, _ in dispatchers(args) if is_moeblaze(variant)]
+    per_rank_errors = {"stock": errors(stock, results["reference"], want)}
+    for variant in ours:
+        per_rank_errors[variant] = errors(results[variant], results["reference"], want)
+        per_rank_errors[f"{variant} vs stock"] = errors(results[variant], stock, stock["grads"])
     # The worst rank's error of every quantity.
     keys = [(label, q) for label, errs in per_rank_errors.items() for q in errs]
     worst = reduce_max([per_rank_errors[label][q] for label, q in keys], device)
@@ -221,13 +253,13 @@ def check_layer(args, rank: Rank, device, dtype) -> list[dict]:
     for (label, q), value in zip(keys, worst):
         errs[label][q] = value
     tol = BF16_TOL if dtype == torch.bfloat16 else FP32_TOL
-    failed = sorted(q for q, e in errs["moeblaze"].items() if e > max(tol, 2 * errs["stock"][q]))
     rows = []
     for dispatcher, _ in dispatchers(args):
         moved = counts[dispatcher].collect(rank, per_rank)
         counts[dispatcher].hook.remove()
-        if dispatcher == "moeblaze":
-            verdict = dict(errors={"vs reference": errs["moeblaze"], "vs stock": errs["moeblaze vs stock"]},
+        if is_moeblaze(dispatcher):
+            failed = sorted(q for q, e in errs[dispatcher].items() if e > max(tol, 2 * errs["stock"][q]))
+            verdict = dict(errors={"vs reference": errs[dispatcher], "vs stock": errs[f"{dispatcher} vs stock"]},
                            passed=not failed, failed=failed)
         else:  # reported, not judged: the bar is MoEBlaze's
             verdict = dict(errors={"vs reference": errs["stock"]})
@@ -251,7 +283,7 @@ def time_layer(args, rank: Rank, device, dtype) -> list[dict]:
     rows = []
     for dispatcher, label in dispatchers(args):
         seed(6)
-        layer = build_layer(transformer_config(dispatcher, dtype, device.type, **layer_fields(shape, rank.world)), device)
+        layer = build_layer(variant_config(dispatcher, dtype, device.type, **layer_fields(shape, rank.world)), device)
         counts = RoutingCounts(layer)
         ms, peak_mib = layer_step_time(layer, x, device, args.reps)
         ms, peak = reduce_max([ms, -1.0 if peak_mib is None else peak_mib * 2**20], device)
@@ -291,12 +323,13 @@ def time_model(args, rank: Rank, device) -> list[dict]:
             gc_free()
             allocated_before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-        run = RunSpec(family=family, dispatcher=dispatcher, seq_length=args.seq_length,
+        run = RunSpec(family=family, dispatcher="moeblaze" if is_moeblaze(dispatcher) else dispatcher,
+                      seq_length=args.seq_length,
                       micro_batch_size=args.micro_batch_size, num_microbatches=rank.world,
                       train_iters=warmup + args.model_steps, warmup_iters=1, bf16=device.type == "cuda",
                       # Megatron's gradient clipping asserts CUDA tensors: unclipped on the CPU.
                       clip_grad=1.0 if device.type == "cuda" else 0.0,
-                      extra_args=["--expert-model-parallel-size", str(rank.world)])
+                      extra_args=["--expert-model-parallel-size", str(rank.world), *variant_flags(dispatcher)])
         rank.say(f"  model: building {family} with {label} ...")
         trainer = Trainer(run, device, initial_state=initial_state)
         one_micro_batch_per_rank(trainer)
@@ -463,7 +496,7 @@ def problems(records: list[dict]) -> list[str]:
     for r in records:
         if r["kind"] == "equivalence" and r["passed"] is False:
             found.append(f"equivalence failed: {', '.join(r['failed'])}")
-        if r["dispatcher"] == "moeblaze" and r["recv_rows"] is not None and r["ep"] > 1:
+        if r["dispatcher"] == "moeblaze" and r["recv_rows"] is not None and r["ep"] > 1:  # the alltoall mode
             over = [i for i, (got, pairs) in enumerate(zip(r["recv_rows"], r["unique_token_rank_pairs"])) if got > pairs]
             if over:
                 found.append(f"{r['kind']}: moeblaze received more rows than unique (token, rank) pairs on ranks {over}")
