@@ -12,7 +12,8 @@
 # Each step has its own time limit (seconds, overridable: NAME_S). Not every step fits one
 # 10-minute call together (on a cold machine tests/gpu takes 5-6 minutes, the layer benchmark
 # about a minute per config with four implementations): STEPS picks some of them (default:
-# "tests megatron routing layer silu"; TESTS_PATHS narrows the tests (default tests/gpu); "tune"
+# "tests megatron routing layer silu"; TESTS_PATHS narrows the tests (default tests/gpu); "ring"
+# times one hop of the expert-parallel ring at the memory model's shapes (bench_ring_hop); "tune"
 # times the six GEMMs config by config, TUNE_ARGS adds tune_kernels.py flags; LAYER_CONFIGS,
 # LAYER_ACTS, LAYER_IMPLS and LAYER_FLAGS (default --profile) shape the layer step; "power" runs
 # scripts/power_probe.py --kernels on POWER_CONFIGS and POWER_IMPLS). Every step's whole output
@@ -25,8 +26,8 @@ export PYTHONUNBUFFERED=1
 steps=" ${STEPS:-tests megatron routing layer silu} "
 for name in $steps; do
   case $name in
-    tests|megatron|routing|tune|power|layer|silu) ;;
-    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing tune power layer silu"; exit 1 ;;
+    tests|megatron|routing|ring|tune|power|layer|silu) ;;
+    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing ring tune power layer silu"; exit 1 ;;
   esac
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -53,6 +54,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv,noh
 step tests "${TESTS_S:-360}" 6 python3 -m pytest ${TESTS_PATHS:-tests/gpu} -q -x -p no:cacheprovider
 step megatron "${MEGATRON_S:-120}" 32 python3 scripts/gpu_megatron_check.py --out "$out/gpu_megatron_check.json"
 step routing "${ROUTING_S:-60}" 24 python3 scripts/bench_routing.py --quick --out "$out/bench_routing_quick.json"
+step ring "${RING_S:-420}" 80 python3 scripts/bench_ring_hop.py --out "$out"
 # shellcheck disable=SC2086  # TUNE_ARGS is a list of flags
 step tune "${TUNE_S:-200}" 40 python3 scripts/tune_kernels.py --out "$out" --time-limit $(( ${TUNE_S:-200} - 40 )) ${TUNE_ARGS:-}
 if [ -n "${build:-}" ]; then
