@@ -8,9 +8,10 @@ forward or backward, on top of what it keeps). The formulas follow the code, buf
 * stock: Megatron's alltoall dispatcher + SequentialMLP (TransformerConfig's defaults: unfused
   SwiGLU). Every (token, expert) slot is a row: a rank receives S = T*K rows. Saved: the
   dispatched rows [S, d], fc1's output [S, 2h], four [S, h] tensors of the activation and the
-  probability scaling, the probabilities and the int64 permutation maps (one of them [T, E]). Transient (an estimate,
-  not measured at EP > 1): the permuted send rows, the received rows' experts' outputs and the
-  rows coming back, [S, d] each.
+  probability scaling, the probabilities and the int64 permutation maps (one of them [T, E]).
+  Transient (an estimate, not measured at EP > 1, low: it leaves out the backward's
+  intermediates): the permuted send rows, the experts' outputs and the rows coming back, [S, d]
+  each, or the experts' weight gradients, as every mode's transient counts its own.
 * alltoall (ours, ``ep_mode="alltoall"``): one row per (token, destination rank): R rows received.
   Saved: the received rows [R, d], the pre-activations [S, 2h] (none with ``recompute="fc1"``;
   the plan is trimmed to the S slots), the received ids and probabilities, the plan's int32 maps
@@ -134,8 +135,10 @@ def transient_bytes(layer: LayerShape, tokens: int, ranks: int, mode: str, count
     op = op or (lambda *args: op_transient(layer, *args))
     local = layer.experts // ranks
     if mode == "stock":
-        # The permuted send rows, the experts' outputs and the rows coming back.
-        return 3 * c.slots * d * b
+        # The permuted send rows, the experts' outputs and the rows coming back; in backward the
+        # experts' weight gradients, as every mode's transient counts its own (an estimate that
+        # leaves out stock's backward intermediates).
+        return max(3 * c.slots * d * b, shard_numel(layer, ranks) * b)
     if mode == "alltoall":
         fwd, bwd = op(c.slots, c.received, local, b, False)
         sent, received, out = c.sent * d * b, c.received * d * b, tokens * d * b
@@ -224,4 +227,36 @@ def table_lines(records: list[dict]) -> list[str]:
             hop = "- | - | -"
         lines.append(f"| {r['layer']} | {r['tokens_per_rank']} | {r['P']} | {r['mode']} | {r['saved_MiB']:.0f} | "
                      f"{peak:.0f} | {peak / stock_peak:.2f} | {hop} |")
+    return lines
+
+
+def measured_hops(hops: list[dict]) -> dict:
+    """``model_rows``' ``measured`` from bench_ring_hop's records."""
+    return {(r["layer"], r["tokens_per_rank"], r["P"]): (r["forward_ms"], r["backward_ms"]) for r in hops}
+
+
+def wide_table_lines(records: list[dict]) -> list[str]:
+    """One row per (layer, T, P): each mode's saved and peak (saved + transient) MiB, a hop's
+    compute (forward / backward ms; ~ where estimated) and each ring's transfer and whether it
+    hides behind the compute (y/n, forward and backward)."""
+    lines = ["| layer | T/rank | P | saved MiB: stock / alltoall / ring | peak MiB: stock / alltoall / expert ring / "
+             "token ring | hop compute ms | expert ring hop transfer ms | token ring hop transfer ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["layer"], r["tokens_per_rank"], r["P"]), {})[r["mode"]] = r
+    for (layer, tokens, ranks), by in groups.items():
+        saved = " / ".join(f"{by[m]['saved_MiB']:.0f}" for m in ("stock", "alltoall", "expert_ring"))
+        peak = " / ".join(f"{by[m]['saved_MiB'] + by[m]['transient_MiB']:.0f}" for m in MODES)
+        ring = by["expert_ring"]
+        mark = "" if ring["compute_measured"] else "~"
+        compute = f"{mark}{ring['hop_compute_ms'][0]:.2f} / {mark}{ring['hop_compute_ms'][1]:.2f}"
+
+        def transfer(mode):
+            r = by[mode]
+            hides = "".join("y" if c >= t else "n" for c, t in zip(r["hop_compute_ms"], r["hop_transfer_ms"]))
+            return f"{r['hop_transfer_ms'][0]:.2f} / {r['hop_transfer_ms'][1]:.2f} ({hides})"
+
+        lines.append(f"| {layer} | {tokens} | {ranks} | {saved} | {peak} | {compute} | {transfer('expert_ring')} | "
+                     f"{transfer('token_ring')} |")
     return lines

@@ -183,6 +183,21 @@ def test_script_prints_the_table(tmp_path):
     assert lines[0].startswith("| layer |") and len(lines) == 2 + 4
 
 
+def test_script_takes_measured_hops(tmp_path):
+    hops = tmp_path / "ring_hop.json"
+    hops.write_text(json.dumps({"hops": [{"layer": "qwen3-30b-a3b", "tokens_per_rank": 4096, "P": 8,
+                                          "forward_ms": 9.5, "backward_ms": 19.5}]}))
+    done = _script("--layers", "qwen3-30b-a3b", "--ranks", "8,16", "--tokens", "4096", "--hops", str(hops), "--wide")
+    assert done.returncode == 0, done.stderr
+    rows = done.stdout.splitlines()[2:]
+    assert len(rows) == 2
+    # The measured hop replaces the estimate (no "~"); the unmeasured shape keeps the estimate.
+    assert "| 9.50 / 19.50 |" in rows[0] and "(yy)" in rows[0]
+    assert "~" in rows[1]
+    bad = _script("--hops", str(tmp_path / "missing.json"))
+    assert bad.returncode == 2 and "--hops" in bad.stderr
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--layers", "llama"], "unknown"),
     (["--ranks", "3"], "does not divide"),
