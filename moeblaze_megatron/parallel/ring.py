@@ -191,12 +191,12 @@ def _add(acc, part):
     return part if acc is None else acc + part
 
 
-def _carry(incoming, part, like):
+def _carry(incoming, part, shape, dtype, device):
     """A travelling accumulator after this rank's contribution: ``incoming + part`` in place, or,
-    at its first rank, ``part`` in ``like``'s dtype and shape (zeros where this rank adds
+    at its first rank, ``part`` as a ``dtype`` tensor (zeros of ``shape`` where this rank adds
     nothing)."""
     if incoming is None:
-        return torch.zeros_like(like) if part is None else part.to(like.dtype)
+        return torch.zeros(shape, dtype=dtype, device=device) if part is None else part.to(dtype)
     return incoming if part is None else incoming.add_(part)
 
 
@@ -267,7 +267,7 @@ def _expert_backward(ring, sizes, grad_y, x, topk_ids, topk_probs, weights, acti
     want_weights = needs[2] or needs[3]
     # Each shard's gradient travels in float32 one hop behind its weights, from its owner on, and
     # is rounded once, at home.
-    like = tuple(torch.empty(w.shape, dtype=compute_dtype(w.dtype), device=w.device) for w in weights)
+    acc = compute_dtype(weights[0].dtype)
     grad_x = grad_probs = None
     shard, spare = weights, None
     done = arriving = None
@@ -280,7 +280,7 @@ def _expert_backward(ring, sizes, grad_y, x, topk_ids, topk_probs, weights, acti
             recv += incoming
         if hop > 0 and want_weights:
             # The gradient of the shard held now, as far as the previous rank brought it.
-            arriving = tuple(torch.empty_like(t) for t in like)
+            arriving = tuple(torch.empty(w.shape, dtype=acc, device=w.device) for w in weights)
             send += done
             recv += arriving
         if hop == ring.size:
@@ -297,7 +297,8 @@ def _expert_backward(ring, sizes, grad_y, x, topk_ids, topk_probs, weights, acti
         grad_probs = _add(grad_probs, part[1])
         ring.wait(works)
         if want_weights:
-            done = tuple(_carry(arriving[i] if hop > 0 else None, part[2 + i], like[i]) for i in range(2))
+            done = tuple(_carry(arriving[i] if hop > 0 else None, part[2 + i], w.shape, acc, w.device)
+                         for i, w in enumerate(weights))
         del part
         if hop < ring.size - 1:
             spare = shard if hop > 0 else None
@@ -382,8 +383,8 @@ def _token_ring_pass(ring: _Ring, sizes, block, compute, results):
         rows = sizes[owner][1 + rank]
         parts = compute(held, rows) if rows else (None,) * len(results)
         ring.wait(works)
-        done = tuple(_carry(arriving[i] if hop > 0 else None, part, accumulator(spec, tokens))
-                     for i, (part, spec) in enumerate(zip(parts, results)))
+        done = tuple(_carry(arriving[i] if hop > 0 else None, part, (tokens, *shape), dtype, device)
+                     for i, (part, (shape, dtype)) in enumerate(zip(parts, results)))
         del parts
         if hop < size - 1:
             held = incoming

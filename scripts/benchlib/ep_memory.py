@@ -19,8 +19,8 @@ forward or backward, on top of what it keeps). The formulas follow the code, buf
   Transient: the send rows, the partial outputs going back and returned, and the fused op's own
   buffers over S slots.
 * expert and token rings: saved only the input [T, d], the int32 ids and the probabilities. A hop
-  computes S/P slots. Transient: the ring's buffers (two weight shards and, in backward, the
-  float32 gradient accumulators; or two token blocks and their float32 accumulators), the float32
+  computes S/P slots. Transient: the ring's buffers (two received weight shards and, in backward,
+  two float32 gradient accumulators; or a token block and its float32 accumulators), the float32
   output / input-gradient accumulator, and the fused op's buffers over one hop's slots.
 
 Counts are expectations under uniform routing (``parallel.volume.received_rows``) unless measured
@@ -154,12 +154,15 @@ def transient_bytes(layer: LayerShape, tokens: int, ranks: int, mode: str, count
     fwd, bwd = op(c.hop_slots, tokens, local, acc, True)
     if mode == "expert_ring":
         shard = shard_numel(layer, ranks)
-        # Forward: the output accumulator, two shards (in use, arriving) and a hop's op.
-        forward = tokens * d * acc + 2 * shard * b + fwd
-        # Backward, with the output alive: two shards, two float32 gradient accumulators (leaving,
-        # arriving), the input- and probability-gradient accumulators, and a hop's op (its weight
-        # gradients included).
-        backward = tokens * d * b + 2 * shard * b + 2 * shard * acc + tokens * (d + K) * acc + bwd
+        # Received shards alive at once (this rank's own are its parameters): the one in use and
+        # the one arriving, except at P = 2, whose only received shard arrives at the last hop.
+        shards = 1 if ranks == 2 else 2
+        # Forward: the output accumulator, the received shards and a hop's op.
+        forward = tokens * d * acc + shards * shard * b + fwd
+        # Backward, with the output alive: the received shards, two float32 gradient accumulators
+        # (leaving, arriving), the input- and probability-gradient accumulators, and a hop's op
+        # (its weight gradients included).
+        backward = tokens * d * b + shards * shard * b + 2 * shard * acc + tokens * (d + K) * acc + bwd
         return max(forward, backward)
     if mode == "token_ring":
         block = tokens * (d * b + K * (INDEX_BYTES + layer.prob_bytes))

@@ -30,7 +30,10 @@ from moeblaze_megatron.training.audit import cpu_peak_bytes, saved_bytes_for_bac
 LAYER = LayerShape(d=64, h=48, experts=12, topk=3, dtype_bytes=4, prob_bytes=4)
 TOKENS = 96
 SAVED_TOL = 0.02  # the saved bytes are modelled tensor by tensor
-PEAK_TOL = 0.15  # the peak: the model's sum of live buffers against the allocator's own peak
+# The peak: the model adds the buffers of each phase, an upper bound on the allocator's own peak
+# (some die before others are born); measured 0.89-0.99 of it. A buffer the code holds and the
+# model does not know of shows as measured > model.
+PEAK_RANGE = (0.85, 1.03)
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ep_memory_model.py"
 
 
@@ -134,7 +137,7 @@ def test_model_against_measured_bytes(ranks):
         for mode, r in report.items():
             if abs(r["saved"] - r["model_saved"]) > SAVED_TOL * r["saved"]:
                 failures.append(f"rank {rank} {mode}: saved {r['saved']} measured, {r['model_saved']:.0f} modelled")
-            if abs(r["peak"] - r["model_peak"]) > PEAK_TOL * r["peak"]:
+            if not PEAK_RANGE[0] <= r["peak"] / r["model_peak"] <= PEAK_RANGE[1]:
                 failures.append(f"rank {rank} {mode}: peak {r['peak']} measured, {r['model_peak']:.0f} modelled")
     assert not failures, "\n".join(failures)
 
