@@ -186,3 +186,47 @@ def test_te_state_renamed_for_a_local_spec_oracle():
     for unchanged in ("decoder.layers.0.mlp.shared_experts.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc1.weight"):
         assert rename_te_key(unchanged) == unchanged
 
+
+@pytest.mark.usefixtures("cpu_megatron")
+def test_te_checks_run_on_the_stand_ins(monkeypatch):
+    """benchlib.te_checks (what gpu_megatron_check.py --te runs on the GPU) end to end on the CPU
+    with the TE spec's builders replaced by the local spec with TEGroupedMLP on stand-in linears
+    (TE's fused options off: they need TE): the oracle renaming, the equivalence verdicts, the
+    checkpoint directions and layout comparison, and the timing rows."""
+    from benchlib import megatron_checks, te_checks
+
+    from moeblaze_megatron.training.attention import SDPAttention, with_core_attention
+
+    def gpt_builder(config, device, vocab, seq):
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        layers = [dataclasses.replace(s, submodules=dataclasses.replace(
+            s.submodules, mlp=with_te_grouped_experts(s.submodules.mlp))) for s in block.layer_specs]
+        block = with_core_attention(dataclasses.replace(block, layer_specs=layers), SDPAttention)
+        return GPTModel(config=config, transformer_layer_spec=block, vocab_size=vocab, max_sequence_length=seq,
+                        position_embedding_type="rope").to(config.params_dtype)
+
+    monkeypatch.setattr(te_checks, "te_fields", lambda stock, router_fusion: {})
+    monkeypatch.setattr(te_checks, "build_te_layer", lambda config, device: build_te_moe_layer(config))
+    monkeypatch.setattr(te_checks, "build_te_gpt", gpt_builder)
+    shape = megatron_checks.SMOKE_LAYER_SHAPES["qwen3-like"]
+    gpt = megatron_checks.SMOKE_GPT
+    layer = te_checks.check_te_layer("qwen3-like", shape, 64, "cpu")
+    assert layer["pass"], layer
+    assert {"output", "input grad", "experts fc1", "experts fc2", "router"} <= set(layer["errors"]["moeblaze"])
+    model = te_checks.check_te_gpt(gpt, "cpu")
+    assert model["pass"], model
+    checkpoints = te_checks.check_te_checkpoints(gpt, "cpu")
+    assert checkpoints["pass"], checkpoints
+    assert set(checkpoints["directions"]) == {"stock -> moeblaze", "moeblaze -> stock"}
+    assert all(d["differed_before_load"] > 0 and not d["unequal_after_load"] for d in checkpoints["directions"].values())
+    rows = te_checks.time_te_layer("qwen3-like", shape, 32, "cpu", 1, 1) + te_checks.time_te_gpt(gpt, "cpu", 1, 1)
+    assert [r["impl"] for r in rows] == ["stock alltoall+TEGroupedMLP (TE spec)", "moeblaze (TE spec)"] * 2
+    report = {"checks": [layer, model, checkpoints, {"check": "TE broken", "pass": False, "failed": ["raised"],
+                                                     "error": "RuntimeError: x"}],
+              "timings": rows, "timing_errors": [{"check": "TE GPTModel timing", "error": "OOM"}]}
+    table = te_checks.format_te_table(report)
+    assert "| TE broken | **verdict** | | FAIL: RuntimeError: x |" in table
+    assert "same keys, shapes, dtypes" in table and "| TE GPTModel timing | not timed |" in table
