@@ -28,11 +28,13 @@
 #   te_select   per family of TE_FAMILIES (default "qwen3_moe deepseek_v3"): the stock variants
 #               (TE_VARIANTS, default te,te_unfused_router,te_op_fuser and te_shared_overlap where the
 #               family has a shared expert) timed TE_VARIANT_STEPS (8) steps each; the fastest is kept in
-#               /tmp/moeblaze_te/<family>.variant for te_compare on the same warm machine
+#               $TE_STATE_DIR/<family>.variant (default /tmp/moeblaze_te) for te_compare on the same
+#               warm machine
 #   te_compare  per family: compare_dispatchers.py --baseline alltoall_te with that variant (TE_VARIANT
 #               overrides; default te), TE_STEPS (500) steps, the control repeating moeblaze
-#               (TE_CONTROL), micro-batch search of TE_SEARCH_S (60) s per dispatcher, TE_COMPARE_FLAGS
-#               appended; about 8 minutes per family: one family per call
+#               (TE_CONTROL), micro-batch search of TE_SEARCH_S (45) s per dispatcher, the resume check
+#               (a TE checkpoint resumed under both dispatchers, tiny model) for TE_RESUME_FAMILY
+#               (qwen3_moe) only, TE_COMPARE_FLAGS appended; about 8 minutes per family: one per call
 # A short table of every TE record in $out is printed last (scripts/te_summary.py).
 set -u
 cd "$(dirname "$0")/.."
@@ -108,7 +110,8 @@ te_layer_configs=()
 step te_layer "${TE_LAYER_S:-280}" 40 python3 scripts/bench_layer.py --out "$out" --tag bench_layer_te \
   ${te_layer_configs[@]+"${te_layer_configs[@]}"} --acts swiglu --reps 5 --seconds 1 --warmup-seconds 0.5 \
   --impls "${TE_LAYER_IMPLS:-moeblaze,te_grouped}"
-mkdir -p /tmp/moeblaze_te
+te_state=${TE_STATE_DIR:-/tmp/moeblaze_te}
+[[ $steps == *" te_"* ]] && mkdir -p "$te_state"
 for family in ${TE_FAMILIES:-qwen3_moe deepseek_v3}; do
   variants=${TE_VARIANTS:-te,te_unfused_router,te_op_fuser}
   [[ -z ${TE_VARIANTS:-} && $family == deepseek_v3 ]] && variants+=",te_shared_overlap"
@@ -118,15 +121,19 @@ for family in ${TE_FAMILIES:-qwen3_moe deepseek_v3}; do
   if [ -f "$out/te_select_$family/variants.json" ]; then
     cp "$out/te_select_$family/variants.json" "$out/te_select_$family.json"
     python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['stock_selection']['chosen'])" \
-      "$out/te_select_$family.json" > "/tmp/moeblaze_te/$family.variant"
+      "$out/te_select_$family.json" > "$te_state/$family.variant"
   fi
-  variant=${TE_VARIANT:-$(cat "/tmp/moeblaze_te/$family.variant" 2>/dev/null || echo te)}
+  variant=${TE_VARIANT:-$(cat "$te_state/$family.variant" 2>/dev/null)}
+  variant=${variant:-te}
   [[ $steps == *" te_compare "* ]] && echo "gpu_suite: $family against the TE stock variant '$variant'"
+  # The resume check trains the tiny model whatever the family: once is enough.
+  resume=()
+  [[ $family != "${TE_RESUME_FAMILY:-qwen3_moe}" ]] && resume=(--no-resume-check)
   # shellcheck disable=SC2086  # TE_COMPARE_FLAGS is a list of flags
   run_step te_compare "te_compare_$family" "${TE_COMPARE_S:-570}" 30 python3 scripts/compare_dispatchers.py \
     --family "$family" --baseline alltoall_te --stock-variants "$variant" --steps "${TE_STEPS:-500}" --warmup 10 \
-    --control "${TE_CONTROL:-candidate}" --search micro-batch --search-time-limit "${TE_SEARCH_S:-60}" \
-    --out "$out/te_compare_$family" ${TE_COMPARE_FLAGS:-}
+    --control "${TE_CONTROL:-candidate}" --search micro-batch --search-time-limit "${TE_SEARCH_S:-45}" \
+    ${resume[@]+"${resume[@]}"} --out "$out/te_compare_$family" ${TE_COMPARE_FLAGS:-}
   [ -f "$out/te_compare_$family/compare.json" ] && cp "$out/te_compare_$family/compare.json" "$out/te_compare_$family.json"
 done
 

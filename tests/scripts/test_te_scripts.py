@@ -79,3 +79,65 @@ def test_summary_of_te_records(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "te_summary.py"), str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and (tmp_path / "te_summary.md").read_text().strip() == done.stdout.strip()
+
+
+# A python3 for gpu_suite.sh: every call logged; compare_dispatchers.py and bench_layer.py calls
+# parsed by the scripts' own parsers (a misspelt flag fails the run); --select-only writes the
+# selection record the suite hands to te_compare; everything else (the TE probe, the checks) exits 0.
+_PARSE = r"""
+import importlib.util, json, os, sys
+name, argv = sys.argv[1], sys.argv[2:]
+spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+args = module.parse_args(argv)
+if getattr(args, "select_only", False):
+    os.makedirs(args.out, exist_ok=True)
+    chosen = args.stock_variants.split(",")[-1]
+    json.dump({"stock_selection": {"chosen": chosen, "variants": {}}}, open(os.path.join(args.out, "variants.json"), "w"))
+"""
+
+
+def _fake_tools(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "parse.py").write_text(_PARSE)
+    (bin_dir / "python3").write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$*" >> {tmp_path}/calls.log\n'
+        'case "$1 $2" in\n'
+        "  *transformer_engine*|*megatron.core*) exit 0 ;;\n"
+        f'  "-c "*) exec {sys.executable} "$@" ;;\n'
+        f"  scripts/compare_dispatchers.py*|scripts/bench_layer.py*) PYTHONPATH=scripts exec {sys.executable} "
+        f'{tmp_path}/parse.py "$@" ;;\n'
+        "esac\n"
+        "exit 0\n")
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho fake-gpu\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return bin_dir
+
+
+def test_gpu_suite_te_steps_commands(tmp_path):
+    """STEPS="te_check te_layer te_select te_compare": the commands the suite runs parse with the
+    scripts' own parsers; the selected variant of each family reaches its comparison; only the
+    first family runs the resume check; the outputs fold into the archive and top-level JSON."""
+    bin_dir = _fake_tools(tmp_path)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_suite.sh")], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
+             "STEPS": "te_check te_layer te_select te_compare", "TE_STATE_DIR": str(tmp_path / "state")})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    scripts_run = [c.split()[0] for c in calls if c.startswith("scripts/")]
+    assert scripts_run == ["scripts/gpu_megatron_check.py", "scripts/bench_layer.py"] + [
+        "scripts/compare_dispatchers.py"] * 4 + ["scripts/te_summary.py"]
+    assert all("rc=0" in line for line in done.stdout.splitlines() if line.startswith("== ") and "rc=" in line)
+    compares = [c for c in calls if c.startswith("scripts/compare_dispatchers.py") and "--select-only" not in c]
+    assert "--family qwen3_moe" in compares[0] and "--stock-variants te_op_fuser " in compares[0]
+    assert "--family deepseek_v3" in compares[1] and "--stock-variants te_shared_overlap " in compares[1]
+    assert "--no-resume-check" not in compares[0] and "--no-resume-check" in compares[1]
+    assert (tmp_path / "state" / "deepseek_v3.variant").read_text().strip() == "te_shared_overlap"
+    kept = sorted(p.name for p in out.iterdir())
+    assert "results.tar.gz" in kept and "te_select_qwen3_moe.json" in kept and all(p.is_file() for p in out.iterdir())
