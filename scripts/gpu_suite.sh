@@ -32,9 +32,11 @@
 #               warm machine
 #   te_compare  per family: compare_dispatchers.py --baseline alltoall_te with that variant (TE_VARIANT
 #               overrides; default te), TE_STEPS (500) steps, the control repeating moeblaze
-#               (TE_CONTROL), micro-batch search of TE_SEARCH_S (45) s per dispatcher, the resume check
-#               (a TE checkpoint resumed under both dispatchers, tiny model) for TE_RESUME_FAMILY
-#               (qwen3_moe) only, TE_COMPARE_FLAGS appended; about 8 minutes per family: one per call
+#               (TE_CONTROL), micro-batch search of TE_SEARCH_S (45) s per dispatcher, TE_COMPARE_FLAGS
+#               appended; about 7-8 minutes per family: one per call. The resume check (a TE stock
+#               checkpoint resumed under both dispatchers through Megatron's save/load_checkpoint,
+#               tiny model, ~1 minute) runs for TE_RESUME_FAMILY only (default none: te_check already
+#               moves torch_dist checkpoints both ways)
 # A short table of every TE record in $out is printed last (scripts/te_summary.py).
 set -u
 cd "$(dirname "$0")/.."
@@ -128,7 +130,7 @@ for family in ${TE_FAMILIES:-qwen3_moe deepseek_v3}; do
   [[ $steps == *" te_compare "* ]] && echo "gpu_suite: $family against the TE stock variant '$variant'"
   # The resume check trains the tiny model whatever the family: once is enough.
   resume=()
-  [[ $family != "${TE_RESUME_FAMILY:-qwen3_moe}" ]] && resume=(--no-resume-check)
+  [[ $family != "${TE_RESUME_FAMILY:-}" ]] && resume=(--no-resume-check)
   # shellcheck disable=SC2086  # TE_COMPARE_FLAGS is a list of flags
   run_step te_compare "te_compare_$family" "${TE_COMPARE_S:-570}" 30 python3 scripts/compare_dispatchers.py \
     --family "$family" --baseline alltoall_te --stock-variants "$variant" --steps "${TE_STEPS:-500}" --warmup 10 \

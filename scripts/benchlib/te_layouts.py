@@ -34,15 +34,19 @@ def rename_te_key(key: str) -> str:
 
 def te_to_local_state(state: dict, target_keys) -> dict:
     """A TE spec model's plain state dict renamed for a local spec model whose state-dict keys are
-    ``target_keys``: tensors renamed, TE's ``_extra_state`` entries dropped, the target's own
-    ``_extra_state`` entries set to None (what Megatron's local modules save). KeyError naming
-    every key that would be missing or left over."""
+    ``target_keys``: tensors renamed, TE's ``_extra_state`` entries (and empty placeholder tensors
+    the target lacks) dropped, the target's own ``_extra_state`` entries set to None (what
+    Megatron's local modules save). KeyError naming every key that would be missing or left over."""
     target = list(target_keys)
+    wanted = set(target)
     out = {}
     for key, value in state.items():
         if key.endswith("_extra_state"):
             continue
         new = rename_te_key(key)
+        # An empty tensor the target lacks is a placeholder (TE can keep one for an absent bias).
+        if new not in wanted and getattr(value, "numel", lambda: 1)() == 0:
+            continue
         if new in out:
             raise KeyError(f"two TE keys map to {new!r}")
         out[new] = value

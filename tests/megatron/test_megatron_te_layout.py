@@ -179,6 +179,12 @@ def test_te_state_renamed_for_a_local_spec_oracle():
     assert rel_error(losses[0], losses[1]) < REL_TOL[torch.float32]
     with pytest.raises(KeyError, match="missing"):
         te_to_local_state({k: v for k, v in te_model.state_dict().items() if "router" not in k}, local.state_dict().keys())
+    extra = {"decoder.layers.0.self_attention.linear_qkv.bias": torch.empty(0)}
+    assert te_to_local_state({**te_model.state_dict(), **extra}, local.state_dict().keys()).keys() == \
+        local.state_dict().keys()
+    with pytest.raises(KeyError, match="left over.*linear_qkv.bias"):
+        te_to_local_state({**te_model.state_dict(), "decoder.layers.0.self_attention.linear_qkv.bias": torch.ones(3)},
+                          local.state_dict().keys())
     assert rename_te_key("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight") == \
         "decoder.layers.0.input_layernorm.weight"
     assert rename_te_key("decoder.layers.1.mlp.linear_fc1.layer_norm_weight") == "decoder.layers.1.pre_mlp_layernorm.weight"

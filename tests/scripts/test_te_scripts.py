@@ -120,14 +120,15 @@ def _fake_tools(tmp_path):
 
 def test_gpu_suite_te_steps_commands(tmp_path):
     """STEPS="te_check te_layer te_select te_compare": the commands the suite runs parse with the
-    scripts' own parsers; the selected variant of each family reaches its comparison; only the
-    first family runs the resume check; the outputs fold into the archive and top-level JSON."""
+    scripts' own parsers; the selected variant of each family reaches its comparison; only
+    TE_RESUME_FAMILY runs the resume check; the outputs fold into the archive and top-level JSON."""
     bin_dir = _fake_tools(tmp_path)
     out = tmp_path / "out"
     done = subprocess.run(
         ["bash", str(REPO / "scripts" / "gpu_suite.sh")], capture_output=True, text=True, timeout=300,
         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
-             "STEPS": "te_check te_layer te_select te_compare", "TE_STATE_DIR": str(tmp_path / "state")})
+             "STEPS": "te_check te_layer te_select te_compare", "TE_STATE_DIR": str(tmp_path / "state"),
+             "TE_RESUME_FAMILY": "qwen3_moe"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     calls = (tmp_path / "calls.log").read_text().splitlines()
     scripts_run = [c.split()[0] for c in calls if c.startswith("scripts/")]
