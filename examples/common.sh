@@ -4,6 +4,12 @@
 #
 # Environment (all optional):
 #   DISPATCHER     moeblaze (default) | alltoall | allgather | flex    -- the one switch
+#   STOCK          the stock dispatchers' experts: auto (default: te where Transformer Engine is
+#                  installed, else sequential) | te (TEGroupedMLP, --moe-grouped-gemm, with the
+#                  fused permutation and the fused router: the stock form Megatron users run) |
+#                  sequential (SequentialMLP, a loop over the experts: Megatron's only experts
+#                  without TE). The fused router is the model's router, so moeblaze gets it too
+#                  wherever STOCK resolves to te.
 #   NPROC          GPUs on this node (torchrun processes), default 1
 #   SEQ_LEN        sequence length, default 4096
 #   MICRO_BATCH    micro-batch size, default 2; GLOBAL_BATCH default MICRO_BATCH * NPROC
@@ -39,14 +45,45 @@ COMMON_MODEL_ARGS=(
     --tokenizer-type NullTokenizer --vocab-size 257
 )
 
-# Without Transformer Engine (and Apex) Megatron's fused kernels do not exist: local layers.
+# Without Transformer Engine Megatron has only its local layers (and TE's fused RoPE is missing).
 if "$PYTHON" -c "import transformer_engine" 2>/dev/null; then
+    HAVE_TE=1
     IMPL_ARGS=(--transformer-impl transformer_engine)
 else
+    HAVE_TE=0
     IMPL_ARGS=(
-        --transformer-impl local --no-rope-fusion --no-persist-layer-norm
-        --no-gradient-accumulation-fusion --no-masked-softmax-fusion
+        --transformer-impl local --no-rope-fusion
     )
+fi
+# Apex, not TE, builds these fused kernels (Megatron imports fused_weight_gradient_mlp_cuda for
+# the gradient-accumulation fusion): without Apex they are off, whether or not TE is there.
+if "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('fused_weight_gradient_mlp_cuda') is None)" 2>/dev/null; then
+    NO_APEX_ARGS=()
+else
+    NO_APEX_ARGS=(
+        --no-persist-layer-norm --no-gradient-accumulation-fusion --no-masked-softmax-fusion
+    )
+fi
+
+# Megatron's stock MoE with TE as its users run it (STOCK=te): TEGroupedMLP, fused permutation
+# (stock only: moeblaze has no permutation), and the fused router (the model's, both dispatchers).
+TE_STOCK_EXPERT_ARGS=(
+    --moe-grouped-gemm --moe-permute-fusion
+)
+TE_ROUTER_ARGS=(
+    --moe-router-fusion
+)
+STOCK=${STOCK:-auto}
+case "$STOCK" in
+    auto) [[ $HAVE_TE == 1 ]] && STOCK=te || STOCK=sequential ;;
+    te) [[ $HAVE_TE == 1 ]] || { echo "STOCK=te needs Transformer Engine ($PYTHON cannot import transformer_engine); use STOCK=sequential" >&2; exit 2; } ;;
+    sequential) ;;
+    *) echo "STOCK must be auto, te or sequential, got '$STOCK'" >&2; exit 2 ;;
+esac
+MOE_ARGS=()
+if [[ $STOCK == te ]]; then
+    [[ $DISPATCHER != moeblaze ]] && MOE_ARGS+=("${TE_STOCK_EXPERT_ARGS[@]}")
+    MOE_ARGS+=("${TE_ROUTER_ARGS[@]}")
 fi
 
 case "$DATA" in
@@ -76,8 +113,8 @@ read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
 
 COMMAND=(
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" "$REPO/scripts/pretrain_gpt.py"
-    "${MODEL_ARGS[@]}" "${COMMON_MODEL_ARGS[@]}" "${IMPL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}"
-    ${EXTRA[@]+"${EXTRA[@]}"}
+    "${MODEL_ARGS[@]}" "${COMMON_MODEL_ARGS[@]}" "${IMPL_ARGS[@]}" ${NO_APEX_ARGS[@]+"${NO_APEX_ARGS[@]}"}
+    ${MOE_ARGS[@]+"${MOE_ARGS[@]}"} "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" ${EXTRA[@]+"${EXTRA[@]}"}
 )
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     printf '%q ' "${COMMAND[@]}"

@@ -10,6 +10,8 @@
 # resume bitwise.)
 # A small Qwen3-MoE-like model (2 layers, 16 experts) keeps it to a few minutes.
 #   bash examples/resume_check.sh          # BASELINE=alltoall by default
+# With Transformer Engine the stock runs use TEGroupedMLP (STOCK=te, examples/common.sh), so the
+# checkpoint moves from TEGroupedMLP to MoEBlaze; STOCK=sequential keeps SequentialMLP.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PYTHON=${PYTHON:-python3}

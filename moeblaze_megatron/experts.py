@@ -3,12 +3,16 @@
 Weights: ``weight1`` [E_local, 2h, d] for SwiGLU ([gate | up] rows, Megatron's GLU layout) or
 [E_local, h, d] for SiLU/GeLU, and ``weight2`` [E_local, d, h], with h = ``moe_ffn_hidden_size``.
 
-Checkpoints are SequentialMLP's: ``state_dict()`` writes ``local_experts.{i}.linear_fc1.weight``
-[2h, d] and ``local_experts.{i}.linear_fc2.weight`` [d, h] (plus their empty ``_extra_state``);
-``load_state_dict()`` also reads TEGroupedMLP's ``linear_fc1.weight{i}`` / ``linear_fc2.weight{i}``
-and this module's own ``weight1`` / ``weight2``. ``sharded_state_dict()`` describes the same global
-tensors under the same keys as SequentialMLP (``{prefix}experts.linear_fc1.weight`` of global
-shape [E, 2h, d], the SwiGLU halves as separate shards), one shard per stacked weight, so
+Checkpoints are the stock experts': ``state_dict()`` writes the plain layout of the experts this
+module replaces (``checkpoint_layout``): SequentialMLP's ``local_experts.{i}.linear_fc1.weight``
+[2h, d] and ``local_experts.{i}.linear_fc2.weight`` [d, h] (plus their empty ``_extra_state``), or,
+in place of TEGroupedMLP (the Transformer Engine spec with ``moe_grouped_gemm``), its
+``linear_fc1.weight{i}`` / ``linear_fc2.weight{i}`` and one ``_extra_state`` per linear.
+``load_state_dict()`` reads either layout, TEGroupedMLP's single grouped ``linear_fc1.weight``
+[E, 2h, d] and this module's own ``weight1`` / ``weight2``. ``sharded_state_dict()`` describes
+the same global tensors under the same keys as SequentialMLP and TEGroupedMLP (which agree:
+``{prefix}experts.linear_fc1.weight`` of global shape [E, 2h, d], the SwiGLU halves as separate
+shards, and one ``_extra_state`` object per expert and linear), one shard per stacked weight, so
 distributed checkpoints load either way and the distributed optimizer finds each parameter.
 
 Initialization follows SequentialMLP draw for draw (expert by expert, fc1 then fc2, in the
@@ -31,9 +35,11 @@ from .dispatcher import ExpertRouting
 from .moe_mlp import moe_mlp
 from .parallel.ring import ring_moe
 
-__all__ = ["MoEBlazeGroupedMLP", "activation_of_config", "expert_activation"]
+__all__ = ["CHECKPOINT_LAYOUTS", "MoEBlazeGroupedMLP", "activation_of_config", "expert_activation"]
 
 _FC_NAMES = (("weight1", "linear_fc1"), ("weight2", "linear_fc2"))
+# The plain state_dict layouts written: the stock experts' of the spec the module replaces.
+CHECKPOINT_LAYOUTS = ("sequential", "te_grouped")
 
 
 def activation_of_config(config) -> tuple[bool, str]:
@@ -55,8 +61,13 @@ class MoEBlazeGroupedMLP(MegatronModule):
     ``out[n] = sum_k probs[n, k] * fc2[e] @ act(fc1[e] @ rows[n])``, e = ``routing.topk_ids[n, k]``.
     """
 
-    def __init__(self, num_local_experts: int, config, pg_collection=None, name: str | None = None):
+    def __init__(self, num_local_experts: int, config, pg_collection=None, name: str | None = None,
+                 checkpoint_layout: str = "sequential"):
         super().__init__(config=config)
+        if checkpoint_layout not in CHECKPOINT_LAYOUTS:
+            raise ValueError(f"MoEBlazeGroupedMLP: checkpoint_layout must be one of {CHECKPOINT_LAYOUTS}, "
+                             f"got {checkpoint_layout!r}")
+        self.checkpoint_layout = checkpoint_layout
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
         self.num_local_experts = num_local_experts
@@ -93,7 +104,7 @@ class MoEBlazeGroupedMLP(MegatronModule):
         if config.perform_initialization:
             self._initialize_weights()
 
-        self.register_state_dict_post_hook(_save_as_sequential_mlp)
+        self.register_state_dict_post_hook(_save_as_stock_layout)
         self.register_load_state_dict_pre_hook(_load_stock_layouts)
 
     @torch.no_grad()
@@ -199,9 +210,15 @@ def _glu_sharded_factory(key, param, offsets, replica_id):
     return ShardedTensorFactory(key, param, build, merge, replica_id)
 
 
-def _save_as_sequential_mlp(module, state_dict, prefix, local_metadata):
+def _save_as_stock_layout(module, state_dict, prefix, local_metadata):
     for param_name, fc in _FC_NAMES:
         stacked = state_dict.pop(prefix + param_name).detach()
+        if module.checkpoint_layout == "te_grouped":
+            for i in range(module.num_local_experts):
+                state_dict[f"{prefix}{fc}.weight{i}"] = stacked[i]
+            # TE's GroupedLinear keeps one (here empty) extra state per linear; TE loads None.
+            state_dict[f"{prefix}{fc}._extra_state"] = None
+            continue
         for i in range(module.num_local_experts):
             state_dict[f"{prefix}local_experts.{i}.{fc}.weight"] = stacked[i]
             state_dict[f"{prefix}local_experts.{i}.{fc}._extra_state"] = None
@@ -220,3 +237,8 @@ def _load_stock_layouts(module, state_dict, prefix, local_metadata, strict, miss
             if all(k in state_dict for k in keys):
                 state_dict[prefix + param_name] = torch.stack([state_dict.pop(k) for k in keys])
                 break
+        else:
+            # TEGroupedMLP with moe_single_grouped_weight: one [E_local, out, in] tensor per linear.
+            grouped = state_dict.get(f"{prefix}{fc}.weight")
+            if torch.is_tensor(grouped) and grouped.dim() == 3 and grouped.shape[0] == module.num_local_experts:
+                state_dict[prefix + param_name] = state_dict.pop(f"{prefix}{fc}.weight")

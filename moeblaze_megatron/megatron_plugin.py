@@ -366,7 +366,8 @@ def _init_moeblaze_layer(original_init, bound: inspect.BoundArguments) -> None:
 
 
 def _moeblaze_experts_builder(builder):
-    """MoEBlazeGroupedMLP in place of Megatron's stock experts (SequentialMLP, TEGroupedMLP)."""
+    """MoEBlazeGroupedMLP in place of Megatron's stock experts (SequentialMLP, TEGroupedMLP),
+    writing the replaced experts' plain checkpoint layout."""
     from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
     target = builder
@@ -375,7 +376,9 @@ def _moeblaze_experts_builder(builder):
     target = getattr(target, "module", target)  # a ModuleSpec
     if isinstance(target, type) and issubclass(target, MoEBlazeGroupedMLP):
         return builder
-    if isinstance(target, type) and issubclass(target, (SequentialMLP, TEGroupedMLP)):
+    if isinstance(target, type) and issubclass(target, TEGroupedMLP):
+        return functools.partial(MoEBlazeGroupedMLP, checkpoint_layout="te_grouped")
+    if isinstance(target, type) and issubclass(target, SequentialMLP):
         return MoEBlazeGroupedMLP
     raise ValueError(
         f"moe_token_dispatcher_type='moeblaze' runs its own experts (MoEBlazeGroupedMLP), but the "

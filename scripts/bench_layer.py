@@ -11,7 +11,9 @@ weights and their gradients.
 
 Peers (each skipped with a note when not importable): grouped_mm (torch._grouped_mm pipeline, as
 torchtitan does it), megatron_sequential (Megatron-Core alltoall dispatcher + SequentialMLP),
-megablocks (dMoE, grouped path), liger (Liger-Kernel's fused MoE), scattermoe.
+te_grouped (Megatron-Core alltoall dispatcher with the fused permutation + TEGroupedMLP, Transformer
+Engine's grouped GEMM: the stock MoE with TE at EP = 1; needs TE), megablocks (dMoE, grouped path),
+liger (Liger-Kernel's fused MoE), scattermoe.
 """
 
 from __future__ import annotations

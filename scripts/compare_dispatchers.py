@@ -4,6 +4,16 @@
     python scripts/compare_dispatchers.py                        # auto: GPU if there is one
     python scripts/compare_dispatchers.py --family deepseek_v3   # on a GPU: the goal models
     python scripts/compare_dispatchers.py --device cpu --steps 30
+    python scripts/compare_dispatchers.py --baseline alltoall_te --stock-variants te,te_unfused_router,te_op_fuser
+
+The stock side: a Megatron dispatcher with SequentialMLP (--baseline alltoall, the default on a
+GPU: what Megatron runs without Transformer Engine), or --baseline alltoall_te, the stock MoE of
+Megatron users with Transformer Engine: alltoall + TEGroupedMLP (--moe-grouped-gemm) with the
+speed options of a --stock-variants form (training.families.TE_STOCK_VARIANTS). Given several,
+each trains --variant-steps steps from the same weights on the same batches and the fastest is
+the baseline (--select-only stops there and writes variants.json). Flags a variant gives the
+model outside the dispatcher and experts (the fused router) apply to MoEBlaze too. Both sides use
+the same attention core (--attention: Transformer Engine's with alltoall_te, SDPA otherwise).
 
 Reports median step time, tokens/s, peak memory and the activation memory autograd saves, both
 loss curves (a PNG overlay and a markdown table), the largest micro-batch (or the longest
@@ -17,7 +27,10 @@ Rounding noise is measured, not assumed: a control run repeats the stock run wit
 weight moved by one unit in the last place of its dtype. The divergence that this produces is what
 any change of rounding (another summation order, another kernel) can produce: at every step the
 candidate may differ from the stock run by at most NOISE_FACTOR times the control's envelope (the
-running maximum of |control - stock|). Before the control has diverged (the first steps, where a
+running maximum of |control - stock|). --control candidate repeats the MoEBlaze run instead (the
+envelope then is |control - MoEBlaze|): the same measure of how far rounding noise carries on this
+model and data, at MoEBlaze's cost per step (a third of the TE baseline's), so that 500-step runs
+of both fit one 10-minute GPU call. Before the control has diverged (the first steps, where a
 wrong gradient shows first) a floor applies instead: NOISE_FLOOR times the loss's rounding noise,
 u |loss| / sqrt(tokens per step) (u: the compute dtype's unit roundoff; a per-token rounding error
 averages over the step's tokens), and never less than NOISE_FLOOR float32 ulps of the loss (the
@@ -37,7 +50,20 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--family", help="model family (training.families.MODEL_FAMILIES); default: tiny on CPU, qwen3_moe on GPU")
-    p.add_argument("--baseline", help="stock dispatcher; default allgather on CPU, alltoall on GPU")
+    p.add_argument("--baseline", help="stock dispatcher (SequentialMLP experts), or alltoall_te (alltoall + "
+                   "TEGroupedMLP + a --stock-variants form); default allgather on CPU, alltoall on GPU")
+    p.add_argument("--stock-variants", help="with --baseline alltoall_te: comma list of TE stock forms "
+                   "(training.families.TE_STOCK_VARIANTS: te, te_unfused_router, te_op_fuser, te_shared_overlap); "
+                   "several are timed and the fastest kept (default te)")
+    p.add_argument("--variant-steps", type=int, default=8,
+                   help="training steps per stock variant when several are timed (the first 3 left out)")
+    p.add_argument("--select-only", action="store_true",
+                   help="time the --stock-variants, write variants.json and stop")
+    p.add_argument("--attention", choices=("auto", "sdpa", "local"),
+                   help="attention core of both runs (--moeblaze-attention); default auto (Transformer Engine's) "
+                   "with --baseline alltoall_te, else sdpa")
+    p.add_argument("--control", choices=("baseline", "candidate"), default="baseline",
+                   help="which run the rounding-noise control repeats from weights moved by one ulp")
     p.add_argument("--candidate", default="moeblaze", help="dispatcher compared against the baseline")
     p.add_argument("--steps", type=int, help="training steps per run")
     p.add_argument("--warmup", type=int, help="first steps left out of the step-time median")

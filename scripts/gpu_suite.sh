@@ -18,6 +18,27 @@
 # LAYER_ACTS, LAYER_IMPLS and LAYER_FLAGS (default --profile) shape the layer step; "power" runs
 # scripts/power_probe.py --kernels on POWER_CONFIGS and POWER_IMPLS). Every step's whole output
 # is kept as $out/STEP.log. Results go to $OUT (default benchmarks/results/latest).
+#
+# Transformer Engine steps (issue 23; TE must already be in /tmp/site: ../shared/tools/te-device.sh's
+# five calls, the last one running `bash .te/install.sh && STEPS=te_check bash scripts/gpu_suite.sh`):
+#   te_check    scripts/gpu_megatron_check.py --te: MoEBlaze under the TE layer spec against stock
+#               alltoall + TEGroupedMLP (+ fused permutation and router), layer and GPTModel against a
+#               float32 local-spec oracle, torch_dist checkpoints both ways, step times (~3 min)
+#   te_layer    scripts/bench_layer.py, moeblaze against the te_grouped peer (TE_LAYER_CONFIGS, default
+#               every config; TE_LAYER_IMPLS, default moeblaze,te_grouped; 1 s timed after 0.5 s)
+#   te_select   per family of TE_FAMILIES (default "qwen3_moe deepseek_v3"): the stock variants
+#               (TE_VARIANTS, default te,te_unfused_router,te_op_fuser and te_shared_overlap where the
+#               family has a shared expert) timed TE_VARIANT_STEPS (8) steps each; the fastest is kept in
+#               $TE_STATE_DIR/<family>.variant (default /tmp/moeblaze_te) for te_compare on the same
+#               warm machine
+#   te_compare  per family: compare_dispatchers.py --baseline alltoall_te with that variant (TE_VARIANT
+#               overrides; default te), TE_STEPS (500) steps, the control repeating moeblaze
+#               (TE_CONTROL), micro-batch search of TE_SEARCH_S (45) s per dispatcher, TE_COMPARE_FLAGS
+#               appended; about 7-8 minutes per family: one per call. The resume check (a TE stock
+#               checkpoint resumed under both dispatchers through Megatron's save/load_checkpoint,
+#               tiny model, ~1 minute) runs for TE_RESUME_FAMILY only (default none: te_check already
+#               moves torch_dist checkpoints both ways)
+# A short table of every TE record in $out is printed last (scripts/te_summary.py).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/latest}
@@ -26,21 +47,37 @@ export PYTHONUNBUFFERED=1
 steps=" ${STEPS:-tests megatron routing layer silu} "
 for name in $steps; do
   case $name in
-    tests|megatron|routing|ring|tune|power|layer|silu) ;;
-    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing ring tune power layer silu"; exit 1 ;;
+    tests|megatron|routing|ring|tune|power|layer|silu|te_check|te_layer|te_select|te_compare) ;;
+    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing ring tune power layer silu" \
+         "te_check te_layer te_select te_compare"; exit 1 ;;
   esac
 done
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "gpu_suite: installing the carried wheels failed"; exit 1; }
+# The wheels travel with the call (.whl), or an earlier call on this warm machine left them in /tmp/site.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "gpu_suite: installing the carried wheels failed"; exit 1; }
+elif ! PYTHONPATH=/tmp/site python3 -c "import megatron.core" 2>/dev/null; then
+  echo "gpu_suite: no wheels in .whl/ and no megatron-core in /tmp/site: carry .whl (bash ../shared/tools/device-wheels.sh)"
+  exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD:$PWD/.peers${PYTHONPATH:+:$PYTHONPATH}
-# step NAME LIMIT LINES COMMAND...: run COMMAND if STEPS names it, under a time limit; its output
-# goes whole to $out/NAME.log and, warnings left out, its last LINES lines to the console.
-step() {
-  local name=$1 limit=$2 lines=$3; shift 3
+if [[ $steps == *" te_"* ]] && ! python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
+  echo "gpu_suite: the te_* steps need Transformer Engine in /tmp/site: run ../shared/tools/te-device.sh's five calls first"
+  exit 1
+fi
+# run_step NAME LOG LIMIT LINES COMMAND...: run COMMAND if STEPS names NAME, under a time limit; its
+# output goes whole to $out/LOG.log and, warnings left out, its last LINES lines to the console.
+run_step() {
+  local name=$1 log=$2 limit=$3 lines=$4; shift 4
   [[ $steps == *" $name "* ]] || return 0
   echo "== [$(date +%T)] $*"
-  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | grep -v -i warn | tail -n "$lines"
-  echo "== $name rc=${PIPESTATUS[0]} [$(date +%T)]"
+  timeout "$limit" "$@" 2>&1 | tee "$out/$log.log" | grep -v -i warn | tail -n "$lines"
+  echo "== $log rc=${PIPESTATUS[0]} [$(date +%T)]"
+}
+# step NAME LIMIT LINES COMMAND...: run_step with the log named after the step.
+step() {
+  local name=$1; shift
+  run_step "$name" "$name" "$@"
 }
 
 # A machine still warm from the previous call keeps /tmp: MegaBlocks is built once.
@@ -69,6 +106,47 @@ step layer "${LAYER_S:-260}" 200 python3 scripts/bench_layer.py --out "$out" --c
   ${LAYER_FLAGS---profile}
 step silu "${SILU_S:-30}" 12 python3 scripts/bench_layer.py --out "$out" --tag bench_layer_silu --configs conf4 --acts silu \
   --reps 5 --impls moeblaze,grouped_mm,megatron_sequential,megablocks,scattermoe
-# The device tool brings back at most 8 files: one archive of everything, and the JSON records.
-tar czf /tmp/results.tar.gz -C "$out" . && mv /tmp/results.tar.gz "$out/" && find "$out" -type f ! -name '*.json' ! -name results.tar.gz -delete
+
+# Transformer Engine (issue 23): see the header.
+step te_check "${TE_CHECK_S:-300}" 40 python3 scripts/gpu_megatron_check.py --te --out "$out/gpu_megatron_check_te.json"
+te_layer_configs=()
+[ -n "${TE_LAYER_CONFIGS:-}" ] && te_layer_configs=(--configs "$TE_LAYER_CONFIGS")
+step te_layer "${TE_LAYER_S:-280}" 40 python3 scripts/bench_layer.py --out "$out" --tag bench_layer_te \
+  ${te_layer_configs[@]+"${te_layer_configs[@]}"} --acts swiglu --reps 5 --seconds 1 --warmup-seconds 0.5 \
+  --impls "${TE_LAYER_IMPLS:-moeblaze,te_grouped}"
+te_state=${TE_STATE_DIR:-/tmp/moeblaze_te}
+[[ $steps == *" te_"* ]] && mkdir -p "$te_state"
+for family in ${TE_FAMILIES:-qwen3_moe deepseek_v3}; do
+  variants=${TE_VARIANTS:-te,te_unfused_router,te_op_fuser}
+  [[ -z ${TE_VARIANTS:-} && $family == deepseek_v3 ]] && variants+=",te_shared_overlap"
+  run_step te_select "te_select_$family" "${TE_SELECT_S:-140}" 12 python3 scripts/compare_dispatchers.py \
+    --family "$family" --baseline alltoall_te --stock-variants "$variants" --select-only \
+    --variant-steps "${TE_VARIANT_STEPS:-8}" --out "$out/te_select_$family"
+  if [ -f "$out/te_select_$family/variants.json" ]; then
+    cp "$out/te_select_$family/variants.json" "$out/te_select_$family.json"
+    python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['stock_selection']['chosen'])" \
+      "$out/te_select_$family.json" > "$te_state/$family.variant"
+  fi
+  variant=${TE_VARIANT:-$(cat "$te_state/$family.variant" 2>/dev/null)}
+  variant=${variant:-te}
+  [[ $steps == *" te_compare "* ]] && echo "gpu_suite: $family against the TE stock variant '$variant'"
+  # The resume check trains the tiny model whatever the family: once is enough.
+  resume=()
+  [[ $family != "${TE_RESUME_FAMILY:-}" ]] && resume=(--no-resume-check)
+  # shellcheck disable=SC2086  # TE_COMPARE_FLAGS is a list of flags
+  run_step te_compare "te_compare_$family" "${TE_COMPARE_S:-570}" 30 python3 scripts/compare_dispatchers.py \
+    --family "$family" --baseline alltoall_te --stock-variants "$variant" --steps "${TE_STEPS:-500}" --warmup 10 \
+    --control "${TE_CONTROL:-candidate}" --search micro-batch --search-time-limit "${TE_SEARCH_S:-45}" \
+    ${resume[@]+"${resume[@]}"} --out "$out/te_compare_$family" ${TE_COMPARE_FLAGS:-}
+  [ -f "$out/te_compare_$family/compare.json" ] && cp "$out/te_compare_$family/compare.json" "$out/te_compare_$family.json"
+done
+
+# The device tool brings back at most 8 files: one archive of everything, and the top-level JSON records.
+tar czf /tmp/results.tar.gz -C "$out" . && mv /tmp/results.tar.gz "$out/"
+find "$out" -mindepth 2 -type f -delete && find "$out" -mindepth 1 -type d -empty -delete
+find "$out" -type f ! -name '*.json' ! -name results.tar.gz -delete
 echo "gpu_suite: done; results in $out"
+if [[ $steps == *" te_"* ]]; then
+  echo "== Transformer Engine summary"
+  python3 scripts/te_summary.py "$out"
+fi

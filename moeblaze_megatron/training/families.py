@@ -6,9 +6,24 @@ launch scripts carry exactly these flags (a test checks it).
 
 from __future__ import annotations
 
+import importlib.util
+from dataclasses import dataclass, field
+
 from .corpus import TOKENIZER_ARGS
 
-__all__ = ["COMMON_MODEL_ARGS", "MODEL_FAMILIES", "NO_TE_ARGS", "family_args"]
+__all__ = [
+    "COMMON_MODEL_ARGS",
+    "LOCAL_IMPL_ARGS",
+    "MODEL_FAMILIES",
+    "NO_APEX_ARGS",
+    "NO_TE_ARGS",
+    "TE_STOCK_ARGS",
+    "TE_STOCK_VARIANTS",
+    "StockVariant",
+    "family_args",
+    "have_apex_fusions",
+    "te_stock_variant",
+]
 
 # Architecture flags of each model family, scaled to fit one GPU (fewer layers, narrower).
 # The examples/*.sh launch scripts carry exactly these flags (a test checks it).
@@ -62,11 +77,70 @@ COMMON_MODEL_ARGS: tuple[str, ...] = (
     *TOKENIZER_ARGS,
 )
 
-# Without Transformer Engine (and Apex) these fused kernels do not exist.
-NO_TE_ARGS: tuple[str, ...] = (
-    "--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
-    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+# Without Transformer Engine Megatron has only its local layers, and its fused RoPE is TE's.
+LOCAL_IMPL_ARGS: tuple[str, ...] = ("--transformer-impl", "local", "--no-rope-fusion")
+
+# Megatron's defaults that need Apex's fused CUDA extensions (fused_weight_gradient_mlp_cuda, the
+# fused layer norm and softmax kernels): without Apex they must be off, with or without TE.
+NO_APEX_ARGS: tuple[str, ...] = (
+    "--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
 )
+
+# Neither Transformer Engine nor Apex.
+NO_TE_ARGS: tuple[str, ...] = (*LOCAL_IMPL_ARGS, *NO_APEX_ARGS)
+
+# The module Megatron's gradient-accumulation fusion imports; Apex builds it with the other fused
+# kernels the NO_APEX_ARGS turn off (examples/common.sh probes the same name).
+APEX_PROBE_MODULE = "fused_weight_gradient_mlp_cuda"
+
+
+def have_apex_fusions() -> bool:
+    """Whether Apex's fused CUDA extensions are importable (found, not imported: no torch needed)."""
+    return importlib.util.find_spec(APEX_PROBE_MODULE) is not None
+
+
+@dataclass(frozen=True)
+class StockVariant:
+    """One form of Megatron's stock MoE with Transformer Engine (alltoall dispatcher at EP = 1).
+
+    ``stock_args``: flags of the stock dispatch and experts only (MoEBlaze refuses or ignores them);
+    ``shared_args``: model flags outside the dispatcher and experts (the router), given to both
+    dispatchers so that the comparison keeps one model; ``env``: environment variables the form
+    needs while it is built and trained."""
+
+    name: str
+    stock_args: tuple[str, ...]
+    shared_args: tuple[str, ...] = ()
+    env: dict = field(default_factory=dict)
+    note: str = ""
+
+
+_GROUPED = ("--moe-grouped-gemm", "--moe-permute-fusion")
+_ROUTER_FUSION = ("--moe-router-fusion",)
+
+# The speed options Megatron-Core 0.19 offers its stock MoE on one GPU with Transformer Engine:
+# TEGroupedMLP (--moe-grouped-gemm), the fused permutation, the fused router (top-k, scores and
+# aux loss in one TE kernel), TE's operation fuser for the grouped MLP, and overlapping the shared
+# expert with the dispatch. compare_dispatchers.py --stock-variants times some and keeps the fastest.
+TE_STOCK_VARIANTS: dict[str, StockVariant] = {v.name: v for v in (
+    StockVariant("te", _GROUPED, _ROUTER_FUSION, note="grouped GEMM, fused permutation, fused router"),
+    StockVariant("te_unfused_router", _GROUPED, (), note="grouped GEMM, fused permutation, Megatron's router"),
+    StockVariant("te_op_fuser", (*_GROUPED, "--use-transformer-engine-op-fuser"), _ROUTER_FUSION,
+                 env={"NVTE_CUTEDSL_FUSED_GROUPED_MLP": "1"},
+                 note="as te, the grouped MLP through TE's operation fuser (Megatron asserts support)"),
+    StockVariant("te_shared_overlap", (*_GROUPED, "--moe-shared-expert-overlap"), _ROUTER_FUSION,
+                 note="as te, the shared expert overlapped with the dispatch (families with one)"),
+)}
+
+# What examples/common.sh adds for the stock dispatchers with TE (STOCK=te, the default there).
+TE_STOCK_ARGS: tuple[str, ...] = (*TE_STOCK_VARIANTS["te"].stock_args, *TE_STOCK_VARIANTS["te"].shared_args)
+
+
+def te_stock_variant(name: str) -> StockVariant:
+    """The StockVariant called ``name``; ValueError naming the known ones otherwise."""
+    if name not in TE_STOCK_VARIANTS:
+        raise ValueError(f"stock variant must be one of {sorted(TE_STOCK_VARIANTS)}, got {name!r}")
+    return TE_STOCK_VARIANTS[name]
 
 
 def family_args(family: str) -> list[str]:

@@ -25,7 +25,7 @@ from functools import partial
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .families import NO_TE_ARGS, family_args
+from .families import LOCAL_IMPL_ARGS, NO_APEX_ARGS, family_args, have_apex_fusions
 from .pretraining import have_transformer_engine
 
 @dataclass
@@ -63,7 +63,10 @@ class RunSpec:
     def megatron_argv(self, device: torch.device) -> list[str]:
         argv = family_args(self.family)
         if not have_transformer_engine():
-            argv += NO_TE_ARGS
+            argv += LOCAL_IMPL_ARGS
+        # Apex, not TE, provides these fused kernels: TE without Apex needs them off too.
+        if not have_apex_fusions():
+            argv += NO_APEX_ARGS
         argv += [
             "--moe-token-dispatcher-type", self.dispatcher,
             "--moeblaze-attention", self.attention,

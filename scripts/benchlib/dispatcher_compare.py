@@ -1,7 +1,12 @@
 """Train one model with the stock dispatcher, with MoEBlaze and with a control run (the stock
-run from weights moved by one ulp), and compare: step time, memory, the loss curves against the
-measured rounding noise, and a checkpoint resumed under either dispatcher
+run, or the MoEBlaze run, from weights moved by one ulp), and compare: step time, memory, the loss
+curves against the measured rounding noise, and a checkpoint resumed under either dispatcher
 (scripts/compare_dispatchers.py says how the noise bound is drawn).
+
+The stock side is a Megatron dispatcher with SequentialMLP (``--baseline alltoall``, what runs
+without Transformer Engine) or ``alltoall_te``: the alltoall dispatcher with TEGroupedMLP and the
+speed options of one of ``training.families.TE_STOCK_VARIANTS``; given several, each is timed for
+a few steps from the same weights on the same batches and the fastest is the baseline.
 
 torch and Megatron are imported by the functions, so that a caller can print progress first.
 """
@@ -12,6 +17,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import platform
 import shlex
 import shutil
@@ -40,6 +46,10 @@ DEFAULTS = {
                  warmup=5, lr=3e-4, search="micro-batch"),
 }
 RESUME_STEPS = 12  # of the tiny model; the checkpoint is written half way
+# The stock MoE Megatron users run with Transformer Engine: alltoall + TEGroupedMLP + a variant's
+# speed options (training.families.TE_STOCK_VARIANTS).
+TE_BASELINE = "alltoall_te"
+VARIANT_WARMUP = 3  # first steps of a variant's trial left out of its median (compilation, TE setup)
 
 
 class Progress:
@@ -53,7 +63,7 @@ class Progress:
 
 
 def resolve(args):
-    """Fill the per-device defaults; returns the device."""
+    """Fill the per-device defaults and check the stock form; returns the device."""
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -73,7 +83,87 @@ def resolve(args):
         raise SystemExit("--search needs a GPU (it measures the CUDA allocator's peak); use --search none")
     if args.warmup >= args.steps:
         raise SystemExit(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
+    resolve_stock_form(args, device)
     return device
+
+
+def resolve_stock_form(args, device) -> None:
+    """Check --baseline alltoall_te, --stock-variants, --attention and --control, and fill their
+    defaults: the variants as a list of names, the attention core (Transformer Engine's with the
+    TE baseline, SDPA otherwise), the stock variant in use (the first until a selection ran)."""
+    from moeblaze_megatron.training.families import te_stock_variant
+
+    defaults = {"stock_variants": None, "attention": None, "control": "baseline", "select_only": False,
+                "variant_steps": 8}
+    for name, value in defaults.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    te = args.baseline == TE_BASELINE
+    if isinstance(args.stock_variants, str):
+        args.stock_variants = [v for v in args.stock_variants.split(",") if v]
+    if args.stock_variants and not te:
+        raise SystemExit(f"--stock-variants applies to --baseline {TE_BASELINE}, not --baseline {args.baseline}")
+    if args.select_only and not te:
+        raise SystemExit(f"--select-only selects among the stock variants of --baseline {TE_BASELINE}")
+    if te:
+        if device.type != "cuda":
+            raise SystemExit(f"--baseline {TE_BASELINE} needs a GPU (Transformer Engine runs on CUDA)")
+        from moeblaze_megatron.training.pretraining import have_transformer_engine
+
+        if not have_transformer_engine():
+            raise SystemExit(f"--baseline {TE_BASELINE} needs Transformer Engine (import transformer_engine "
+                             "failed); install it, or compare against --baseline alltoall (SequentialMLP)")
+        args.stock_variants = args.stock_variants or ["te"]
+        for name in args.stock_variants:
+            try:
+                te_stock_variant(name)
+            except ValueError as error:
+                raise SystemExit(f"--stock-variants: {error}") from None
+        if len(set(args.stock_variants)) != len(args.stock_variants):
+            raise SystemExit(f"--stock-variants names a variant twice: {args.stock_variants}")
+        if args.variant_steps <= VARIANT_WARMUP:
+            raise SystemExit(f"--variant-steps must exceed the {VARIANT_WARMUP} warm-up steps, got {args.variant_steps}")
+    args.stock_variant = args.stock_variants[0] if te else None
+    if args.attention is None:
+        args.attention = "auto" if te else "sdpa"
+    if args.control not in ("baseline", "candidate"):
+        raise SystemExit(f"--control must be baseline or candidate, got {args.control!r}")
+
+
+def form(args, which: str):
+    """(Megatron dispatcher, extra Megatron flags, environment) of the run ``which`` ("baseline"
+    or "candidate"): the TE baseline is alltoall with its variant's flags; the candidate shares
+    the variant's model flags (the fused router), not its dispatch and expert flags."""
+    from moeblaze_megatron.training.families import te_stock_variant
+
+    variant = te_stock_variant(args.stock_variant) if args.stock_variant else None
+    if which == "candidate":
+        return args.candidate, (variant.shared_args if variant else ()), {}
+    if variant is not None:
+        return "alltoall", (*variant.stock_args, *variant.shared_args), dict(variant.env)
+    return args.baseline, (), {}
+
+
+def label(args, which: str) -> str:
+    """How a run is named in the report: the dispatcher, and the TE baseline's variant."""
+    if which == "baseline" and args.stock_variant:
+        return f"{TE_BASELINE} [{args.stock_variant}]"
+    return args.candidate if which == "candidate" else args.baseline
+
+
+@contextlib.contextmanager
+def environment_set(env: dict):
+    """``env`` in os.environ for the block (a variant's TE switches), the old values restored."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def ensure_dataset(args, progress) -> str | None:
@@ -91,10 +181,11 @@ def ensure_dataset(args, progress) -> str | None:
     return str(DEFAULT_DATA_PREFIX)
 
 
-def run_spec(args, device, dispatcher: str, data_path, **overrides):
+def run_spec(args, device, dispatcher: str, data_path, extra=(), **overrides):
+    """The RunSpec of one run: ``dispatcher`` with ``extra`` Megatron flags, then --megatron-args."""
     from moeblaze_megatron.training.train_loop import RunSpec
 
-    extra = shlex.split(args.megatron_args)
+    extra = [*extra, *shlex.split(args.megatron_args)]
     fields = dict(
         family=args.family, dispatcher=dispatcher, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, train_iters=args.steps, data_path=data_path,
@@ -102,6 +193,7 @@ def run_spec(args, device, dispatcher: str, data_path, **overrides):
         bf16=device.type == "cuda",
         # Megatron's gradient clipping asserts CUDA tensors; the CPU demo trains unclipped.
         clip_grad=1.0 if device.type == "cuda" else 0.0,
+        attention=getattr(args, "attention", None) or "sdpa",
         extra_args=extra,
     )
     fields.update(overrides)
@@ -177,15 +269,19 @@ def summarize(record: dict, warmup: int) -> None:
 
 
 def loss_check(baseline: list[float], candidate: list[float], control: list[float], unit_roundoff: float,
-               tokens_per_step: int) -> dict:
+               tokens_per_step: int, control_of: str = "baseline") -> dict:
     """Per step: |candidate - baseline| <= max(NOISE_FACTOR * envelope, floor), the envelope being
-    the running maximum of |control - baseline| and the floor
+    the running maximum of |control - reference| (the reference: the run the control repeats from
+    weights moved by one ulp, ``control_of`` "baseline" or "candidate") and the floor
     NOISE_FLOOR * max(u * |baseline| / sqrt(tokens_per_step), float32 ulp of the baseline)."""
     import numpy
 
+    if control_of not in ("baseline", "candidate"):
+        raise ValueError(f"control_of must be 'baseline' or 'candidate', got {control_of!r}")
+    reference = baseline if control_of == "baseline" else candidate
     envelope, rows, worst = 0.0, [], 0.0
-    for step, (b, c, k) in enumerate(zip(baseline, candidate, control), start=1):
-        envelope = max(envelope, abs(k - b))
+    for step, (b, c, k, r) in enumerate(zip(baseline, candidate, control, reference), start=1):
+        envelope = max(envelope, abs(k - r))
         floor = NOISE_FLOOR * max(unit_roundoff * abs(b) / math.sqrt(tokens_per_step),
                                   float(numpy.spacing(numpy.float32(abs(b)))))
         tolerance = max(NOISE_FACTOR * envelope, floor)
@@ -195,7 +291,7 @@ def loss_check(baseline: list[float], candidate: list[float], control: list[floa
                      "tolerance": tolerance})
     return {"passed": worst <= 1.0, "worst_diff_over_tolerance": worst, "noise_factor": NOISE_FACTOR,
             "noise_floor_roundoffs": NOISE_FLOOR, "unit_roundoff": unit_roundoff,
-            "tokens_per_step": tokens_per_step, "steps": rows}
+            "tokens_per_step": tokens_per_step, "control_of": control_of, "steps": rows}
 
 
 def resume_check(args, device, data_path, progress, unit_roundoff: float) -> dict:
@@ -210,23 +306,31 @@ def resume_check(args, device, data_path, progress, unit_roundoff: float) -> dic
     workdir = Path(tempfile.mkdtemp(prefix="moeblaze_resume_"))
     try:
         progress(f"resume check (tiny model, {RESUME_STEPS} steps, checkpoint at step {half}):")
-        trainer = Trainer(run_spec(args, device, args.baseline, data_path, save=str(workdir), **tiny), device)
-        initial = trainer.unwrapped_state_dict()
-        uninterrupted = train(trainer, f"{args.baseline} (saves at {half})", RESUME_STEPS, progress,
-                              save_at=half, measure_saved=False)["losses"]
-        trainer.close()
-        trainer = Trainer(run_spec(args, device, args.baseline, data_path, **tiny), device,
-                          initial_state=initial, perturb_ulps=1.0)
-        control = train(trainer, f"{args.baseline} control", RESUME_STEPS, progress, measure_saved=False)["losses"]
-        trainer.close()
-        results = {}
-        for dispatcher in (args.baseline, args.candidate):
-            trainer = Trainer(run_spec(args, device, dispatcher, data_path, load=str(workdir), **tiny), device)
-            if trainer.iteration != half:
-                raise RuntimeError(f"resumed at iteration {trainer.iteration}, expected {half}")
-            resumed = train(trainer, f"{dispatcher} resumed", RESUME_STEPS - half, progress,
-                            measure_saved=False)["losses"]
+        base, base_extra, base_env = form(args, "baseline")
+        base_label = label(args, "baseline")
+        with environment_set(base_env):
+            trainer = Trainer(run_spec(args, device, base, data_path, base_extra, save=str(workdir), **tiny), device)
+            initial = trainer.unwrapped_state_dict()
+            uninterrupted = train(trainer, f"{base_label} (saves at {half})", RESUME_STEPS, progress,
+                                  save_at=half, measure_saved=False)["losses"]
             trainer.close()
+            trainer = Trainer(run_spec(args, device, base, data_path, base_extra, **tiny), device,
+                              initial_state=initial, perturb_ulps=1.0)
+            control = train(trainer, f"{base_label} control", RESUME_STEPS, progress, measure_saved=False)["losses"]
+            trainer.close()
+        results = {}
+        for which in ("baseline", "candidate"):
+            dispatcher, extra, env = form(args, which)
+            name = label(args, which)
+            with environment_set(env):
+                trainer = Trainer(run_spec(args, device, dispatcher, data_path, extra, load=str(workdir), **tiny),
+                                  device)
+                if trainer.iteration != half:
+                    raise RuntimeError(f"resumed at iteration {trainer.iteration}, expected {half}")
+                resumed = train(trainer, f"{name} resumed", RESUME_STEPS - half, progress,
+                                measure_saved=False)["losses"]
+                trainer.close()
+            dispatcher = name
             check = loss_check(uninterrupted[half:], resumed, control[half:], unit_roundoff,
                                tiny["seq_length"] * tiny["micro_batch_size"])
             results[dispatcher] = {"losses": resumed, "passed": check["passed"],
@@ -267,10 +371,14 @@ def _mib(value) -> str:
     return f"{mib:,.0f}" if mib >= 100 else f"{mib:.2f}"
 
 
+def _label(run: dict) -> str:
+    return run.get("label", run["dispatcher"])
+
+
 def markdown(result: dict) -> str:
     base, cand = result["runs"]["baseline"], result["runs"]["candidate"]
     lines = [
-        f"# {cand['dispatcher']} vs {base['dispatcher']}: {result['config']['family']} on {result['environment']['device']}",
+        f"# {_label(cand)} vs {_label(base)}: {result['config']['family']} on {result['environment']['device']}",
         "",
         f"Command: `{result['command']}`",
         "",
@@ -280,23 +388,29 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|" + ("---|" if result.get("search") else ""),
     ]
     for run_name, run in (("baseline", base), ("candidate", cand)):
-        row = (f"| {run['dispatcher']} | {run['median_step_seconds'] * 1e3:.1f} | {run['tokens_per_second']:,.0f} | "
+        row = (f"| {_label(run)} | {run['median_step_seconds'] * 1e3:.1f} | {run['tokens_per_second']:,.0f} | "
                f"{_mib(run.get('peak_memory_bytes'))} | {_mib(run.get('saved_activation_bytes'))} |")
         if result.get("search"):
             row += f" {result['search'][run_name]['largest_fitting']} |"
         lines.append(row)
+    if any(r.get("extra_args") for r in (base, cand)):
+        lines += [""] + [f"{_label(r)} flags: `{' '.join(r['extra_args'])}`" for r in (base, cand) if r.get("extra_args")]
+    if result.get("stock_selection"):
+        lines += ["", "Stock variants, each timed from the same weights on the same batches; the fastest is the "
+                  "baseline:", "", *variants_markdown(result["stock_selection"])]
     ratios = result["ratios"]
-    lines += ["", f"Step time: {ratios['step_time_speedup']:.2f}x faster with {cand['dispatcher']}; "
+    lines += ["", f"Step time: {ratios['step_time_speedup']:.2f}x faster with {_label(cand)}; "
               f"saved activations: {ratios['saved_activation_ratio']:.2f}x less"
               + (f"; largest {result['search']['dimension']}: {ratios['search_ratio']:.2f}x"
                  if ratios.get("search_ratio") else "") + "."]
     check = result["loss_check"]
     lines += ["", f"## Losses ({'agree' if check['passed'] else 'DIVERGE'}: worst |diff| / tolerance = "
               f"{check['worst_diff_over_tolerance']:.2f})", "",
-              f"Tolerance per step: max({check['noise_factor']:g} x the running max of |control - baseline|, "
+              f"Tolerance per step: max({check['noise_factor']:g} x the running max of |control - "
+              f"{check.get('control_of', 'baseline')}|, "
               f"{check['noise_floor_roundoffs']:g} x max({check['unit_roundoff']:.2e} x loss / sqrt("
-              f"{check['tokens_per_step']} tokens), float32 ulp of the loss)); the control run moves every "
-              "initial weight by one ulp.", "",
+              f"{check['tokens_per_step']} tokens), float32 ulp of the loss)); the control run repeats the "
+              f"{check.get('control_of', 'baseline')} with every initial weight moved by one ulp.", "",
               "| step | baseline | candidate | control | abs diff | tolerance |", "|---|---|---|---|---|---|"]
     rows = check["steps"]
     shown = sorted({0, len(rows) - 1, *range(0, len(rows), max(1, len(rows) // 10))})
@@ -307,7 +421,7 @@ def markdown(result: dict) -> str:
     if result.get("resume"):
         resume = result["resume"]
         lines += ["", f"## Resume ({'ok' if resume['passed'] else 'FAILED'})", "",
-                  f"Tiny model, {resume['steps']} steps; the {base['dispatcher']} run saved a Megatron "
+                  f"Tiny model, {resume['steps']} steps; the {_label(base)} run saved a Megatron "
                   f"checkpoint at step {resume['checkpoint_step']}, resumed under each dispatcher:", ""]
         for name, r in resume["resumed"].items():
             lines.append(f"- {name}: max |loss diff| vs uninterrupted {r['max_abs_diff']:.2e} "
@@ -326,7 +440,8 @@ def plot(path: Path, result: dict) -> None:
 
     rows = result["loss_check"]["steps"]
     steps = [r["step"] for r in rows]
-    base, cand = result["runs"]["baseline"]["dispatcher"], result["runs"]["candidate"]["dispatcher"]
+    base, cand = _label(result["runs"]["baseline"]), _label(result["runs"]["candidate"])
+    control_of = result["loss_check"].get("control_of", "baseline")
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     top.plot(steps, [r["baseline"] for r in rows], label=base, linewidth=2)
     top.plot(steps, [r["candidate"] for r in rows], label=cand, linewidth=1.2, linestyle="--")
@@ -334,8 +449,8 @@ def plot(path: Path, result: dict) -> None:
     top.set_title(f"{result['config']['family']}: {cand} vs {base} ({result['environment']['device']})")
     top.legend()
     bottom.semilogy(steps, [max(r["abs_diff"], 1e-12) for r in rows], label=f"|{cand} - {base}|")
-    bottom.semilogy(steps, [max(abs(r["control"] - r["baseline"]), 1e-12) for r in rows],
-                    label="|control - baseline| (1-ulp weights)", alpha=0.7)
+    bottom.semilogy(steps, [max(abs(r["control"] - r[control_of]), 1e-12) for r in rows],
+                    label=f"|control - {control_of}| (1-ulp weights)", alpha=0.7)
     bottom.semilogy(steps, [r["tolerance"] for r in rows], label="tolerance", color="black", linestyle=":")
     bottom.set_xlabel("step")
     bottom.set_ylabel("abs loss difference")
@@ -345,9 +460,83 @@ def plot(path: Path, result: dict) -> None:
     plt.close(fig)
 
 
-def compare(args, device, progress) -> dict:
-    """The baseline, candidate and control runs, the loss check, the memory search (GPU) and the
-    resume check, as compare.json's record (its "command" left to the caller)."""
+def time_stock_variants(args, device, data_path, progress, initial_state=None):
+    """Each of --stock-variants trained --variant-steps steps from the same weights on the same
+    batches, its median step time after VARIANT_WARMUP steps; a variant that fails to build or
+    train is recorded with its error. Returns ({name: record}, the initial state used)."""
+    from moeblaze_megatron.training.families import te_stock_variant
+    from moeblaze_megatron.training.train_loop import Trainer
+
+    records = {}
+    for name in args.stock_variants:
+        variant = te_stock_variant(name)
+        record = {"stock_args": list(variant.stock_args), "shared_args": list(variant.shared_args),
+                  "env": dict(variant.env), "note": variant.note}
+        progress(f"stock variant {name}: {' '.join(variant.stock_args + variant.shared_args)}"
+                 + "".join(f" with {k}={v}" for k, v in variant.env.items()))
+        trainer = None
+        try:
+            with environment_set(variant.env):
+                trainer = Trainer(run_spec(args, device, "alltoall", data_path, (*variant.stock_args, *variant.shared_args)),
+                                  device, initial_state=initial_state)
+                if initial_state is None:
+                    initial_state = trainer.unwrapped_state_dict()
+                timed = train(trainer, f"{TE_BASELINE} [{name}]", args.variant_steps, progress, measure_saved=False)
+            summarize(timed, VARIANT_WARMUP)
+            record.update(median_step_seconds=timed["median_step_seconds"], losses=timed["losses"],
+                          step_seconds=timed["step_seconds"])
+            progress(f"  {name}: median {timed['median_step_seconds'] * 1e3:.1f} ms/step")
+        except Exception as error:  # a form this Megatron/TE/GPU cannot run is reported, not fatal
+            record["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+            progress(f"  {name}: not run ({record['error']})")
+        finally:
+            if trainer is not None:
+                trainer.close()
+            del trainer
+            gc_free()
+        records[name] = record
+    return records, initial_state
+
+
+def fastest_variant(records: dict) -> str:
+    """The name of the variant with the lowest median step time among those that ran."""
+    timed = {name: r["median_step_seconds"] for name, r in records.items() if "median_step_seconds" in r}
+    if not timed:
+        errors = "; ".join(f"{name}: {r.get('error', '?')}" for name, r in records.items())
+        raise SystemExit(f"--stock-variants: no variant ran ({errors})")
+    return min(timed, key=lambda name: (timed[name], name))
+
+
+def select_stock_variant(args, device, data_path, progress, initial_state=None):
+    """Time the stock variants (when there are several, or --select-only asks), set
+    ``args.stock_variant`` to the fastest; returns (the selection record or None, initial state)."""
+    if args.baseline != TE_BASELINE or (len(args.stock_variants) == 1 and not args.select_only):
+        return None, initial_state
+    records, initial_state = time_stock_variants(args, device, data_path, progress, initial_state)
+    args.stock_variant = fastest_variant(records)
+    progress(f"fastest stock variant: {args.stock_variant} "
+             f"({records[args.stock_variant]['median_step_seconds'] * 1e3:.1f} ms/step)")
+    return {"variants": records, "chosen": args.stock_variant, "steps": args.variant_steps,
+            "warmup": VARIANT_WARMUP}, initial_state
+
+
+def variants_markdown(selection: dict) -> list[str]:
+    """The stock variants' table: flags, median step time or why it did not run, the chosen one."""
+    lines = [f"| stock variant | flags (stock / both) | median step (ms) over {selection['steps'] - selection['warmup']} "
+             f"steps |", "|---|---|---|"]
+    for name, r in selection["variants"].items():
+        flags = " ".join(r["stock_args"]) + " / " + (" ".join(r["shared_args"]) or "-")
+        flags += "".join(f" ({k}={v})" for k, v in r["env"].items())
+        time_ = f"{r['median_step_seconds'] * 1e3:.1f}" if "median_step_seconds" in r else f"not run: {r['error']}"
+        lines.append(f"| {name}{' (chosen)' if name == selection['chosen'] else ''} | {flags} | {time_} |")
+    return lines
+
+
+def compare(args, device, progress, save_partial=None) -> dict:
+    """The stock variant selection (--baseline alltoall_te with several), the baseline, candidate
+    and control runs, the loss check, the memory search (GPU) and the resume check, as
+    compare.json's record (its "command" left to the caller). ``save_partial(result)`` is called
+    after every run with what is measured so far (a run cut short keeps it)."""
     import torch
 
     from moeblaze_megatron.training.train_loop import Trainer
@@ -360,41 +549,50 @@ def compare(args, device, progress) -> dict:
              f"{data_path or 'mock'}")
     result = {"config": {**{k: v for k, v in vars(args).items()}, "memory_budget_gib": args.memory_budget_gib},
               "environment": environment(device), "runs": {}}
-    initial_state = None
-    runs = (("baseline", args.baseline, 0.0), ("candidate", args.candidate, 0.0), ("control", args.baseline, 1.0))
-    for name, dispatcher, ulps in runs:
-        label = f"{dispatcher}" + (" control (weights +-1 ulp)" if ulps else "")
-        progress(f"{name}: building the {args.family} model with the {dispatcher} dispatcher ...")
+    selection, initial_state = select_stock_variant(args, device, data_path, progress)
+    if selection is not None:
+        result["stock_selection"] = selection
+        result["config"]["stock_variant"] = args.stock_variant
+    runs = (("baseline", "baseline", 0.0), ("candidate", "candidate", 0.0), ("control", args.control, 1.0))
+    for name, which, ulps in runs:
+        dispatcher, extra, env = form(args, which)
+        shown = label(args, which) + (" control (weights +-1 ulp)" if ulps else "")
+        progress(f"{name}: building the {args.family} model: {shown}" + (f" ({' '.join(extra)})" if extra else "")
+                 + " ...")
         allocated_before = 0
         if device.type == "cuda":
             gc_free()
             allocated_before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-        trainer = Trainer(run_spec(args, device, dispatcher, data_path), device,
-                          initial_state=initial_state, perturb_ulps=ulps)
-        if initial_state is None:
-            initial_state = trainer.unwrapped_state_dict()  # on the CPU
-        record = train(trainer, label, args.steps, progress, measure_saved=name != "control",
-                       allocated_before=allocated_before)
-        summarize(record, args.warmup)
-        result["runs"][name] = record
-        if name != "control":
-            progress(f"  {dispatcher}: median {record['median_step_seconds'] * 1e3:.1f} ms/step, "
-                     f"{record['tokens_per_second']:,.0f} tokens/s, saved for backward "
-                     f"{_mib(record.get('saved_activation_bytes'))} MiB"
-                     + (f", peak {_mib(record['peak_memory_bytes'])} MiB" if "peak_memory_bytes" in record else ""))
-        if args.search != "none" and name != "control":
-            progress(f"  searching the largest {args.search} within {args.memory_budget_gib:g} GiB "
-                     f"(at most {args.search_time_limit:g}s) ...")
-            result.setdefault("search", {"dimension": args.search})[name] = search_memory(
-                trainer, args.search, int(args.memory_budget_gib * 2**30), args.search_time_limit, progress,
-                allocated_before)
-        trainer.close()
+        with environment_set(env):
+            trainer = Trainer(run_spec(args, device, dispatcher, data_path, extra), device,
+                              initial_state=initial_state, perturb_ulps=ulps)
+            if initial_state is None:
+                initial_state = trainer.unwrapped_state_dict()  # on the CPU
+            record = train(trainer, shown, args.steps, progress, measure_saved=name != "control",
+                           allocated_before=allocated_before)
+            record.update(label=label(args, which), repeats=which, extra_args=list(extra))
+            summarize(record, args.warmup)
+            result["runs"][name] = record
+            if name != "control":
+                progress(f"  {record['label']}: median {record['median_step_seconds'] * 1e3:.1f} ms/step, "
+                         f"{record['tokens_per_second']:,.0f} tokens/s, saved for backward "
+                         f"{_mib(record.get('saved_activation_bytes'))} MiB"
+                         + (f", peak {_mib(record['peak_memory_bytes'])} MiB" if "peak_memory_bytes" in record else ""))
+            if args.search != "none" and name != "control":
+                progress(f"  searching the largest {args.search} within {args.memory_budget_gib:g} GiB "
+                         f"(at most {args.search_time_limit:g}s) ...")
+                result.setdefault("search", {"dimension": args.search})[name] = search_memory(
+                    trainer, args.search, int(args.memory_budget_gib * 2**30), args.search_time_limit, progress,
+                    allocated_before)
+            trainer.close()
         del trainer
+        if save_partial is not None:
+            save_partial(result)
 
     base, cand = result["runs"]["baseline"], result["runs"]["candidate"]
     check = loss_check(base["losses"], cand["losses"], result["runs"]["control"]["losses"], unit_roundoff,
-                       base["tokens_per_step"])
+                       base["tokens_per_step"], control_of=args.control)
     result["loss_check"] = check
     progress(f"losses {'agree' if check['passed'] else 'DIVERGE'}: worst |diff| / tolerance "
              f"{check['worst_diff_over_tolerance']:.2f}")
@@ -406,9 +604,18 @@ def compare(args, device, progress) -> dict:
     if search and search["baseline"]["largest_fitting"] and search["candidate"]["largest_fitting"]:
         ratios["search_ratio"] = search["candidate"]["largest_fitting"] / search["baseline"]["largest_fitting"]
     result["ratios"] = ratios
+    if save_partial is not None:
+        save_partial(result)
     if args.resume_check:
         result["resume"] = resume_check(args, device, data_path, progress, unit_roundoff)
     return result
+
+
+def select_only(args, device, progress) -> dict:
+    """--select-only: the stock variants timed, nothing else (variants.json's record)."""
+    data_path = ensure_dataset(args, progress)
+    selection, _ = select_stock_variant(args, device, data_path, progress)
+    return {"config": {**vars(args)}, "environment": environment(device), "stock_selection": selection}
 
 
 def finish(out: Path, result: dict, progress=print) -> int:
@@ -447,12 +654,26 @@ def run(args, command: str) -> int:
     device = resolve(args)
     out = Path(args.out) if args.out else DEFAULT_OUT / f"{args.family}-{'gpu' if device.type == 'cuda' else 'cpu'}"
     progress(f"outputs go to {_shown(out)}/")
+    if getattr(args, "select_only", False):
+        result = select_only(args, device, progress)
+        result["command"] = command.strip()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "variants.json").write_text(json.dumps(result, indent=1) + "\n")
+        progress(f"wrote {_shown(out)}/variants.json")
+        print("\n".join(variants_markdown(result["stock_selection"])))
+        return 0
+
+    def save_partial(partial: dict) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.json").write_text(json.dumps({**partial, "partial": True, "command": command.strip()},
+                                                     indent=1) + "\n")
+
     if device.type == "cpu":
         from moeblaze_megatron.training.cpu_shims import enable_cpu_megatron
 
         with enable_cpu_megatron():
-            result = compare(args, device, progress)
+            result = compare(args, device, progress, save_partial=save_partial)
     else:
-        result = compare(args, device, progress)
+        result = compare(args, device, progress, save_partial=save_partial)
     result["command"] = command.strip()
     return finish(out, result, progress)

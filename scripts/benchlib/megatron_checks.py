@@ -144,23 +144,31 @@ def check_layer(name, shape, tokens, device):
                                                        num_moe_experts=E, moe_router_topk=K), device)
     layers["moeblaze"].load_state_dict(layers["stock"].state_dict())
     layers["oracle"].load_state_dict(layers["stock"].state_dict())
+    errors = layer_errors(layers, tokens, d, device)
+    return {"check": f"layer {name} (T={tokens}, d={d}, h={h}, E={E}, K={K})", "errors": errors, **verdict(errors)}
+
+
+def layer_errors(layers: dict, tokens: int, d: int, device, grads_of=named_grads) -> dict:
+    """One forward+backward of each of ``layers`` ({"stock", "moeblaze", "oracle"} MoE layers with
+    the same weights) on the same bf16 input and upstream gradient; the relative errors of the
+    stock and MoEBlaze output, input gradient and gradient groups against the oracle's.
+    ``grads_of(layer)``: its gradients under names the three share."""
     generator = torch.Generator(device=device).manual_seed(2)
     x = torch.randn(tokens, 1, d, device=device, generator=generator).bfloat16()
     upstream = torch.randn(tokens, 1, d, device=device, generator=generator).bfloat16()
     results = {}
     for label, layer in layers.items():
-        dtype = layer.config.params_dtype
-        xx = x.to(dtype).clone().requires_grad_()
+        xx = x.to(layer.config.params_dtype).clone().requires_grad_()
         out, _ = layer(xx)
         (out.float() * upstream.float()).sum().backward()
-        results[label] = (out.detach(), xx.grad, named_grads(layer))
+        results[label] = (out.detach(), xx.grad, grads_of(layer))
         del out, xx
     errors = {}
     for label in ("stock", "moeblaze"):
         out, dx, grads = results[label]
         errors[label] = {"output": rel_err(out, results["oracle"][0]), "input grad": rel_err(dx, results["oracle"][1]),
                          **grouped_errors(grads, results["oracle"][2])}
-    return {"check": f"layer {name} (T={tokens}, d={d}, h={h}, E={E}, K={K})", "errors": errors, **verdict(errors)}
+    return errors
 
 
 def gpt_config(dispatcher, dtype, device, gpt):
@@ -176,18 +184,25 @@ def check_gpt(gpt, device):
         models[label] = build_gpt(gpt_config(dispatcher, dtype, device, gpt), device, gpt["vocab"], gpt["seq"])
     models["moeblaze"].load_state_dict(models["stock"].state_dict())
     models["oracle"].load_state_dict(models["stock"].state_dict())
+    errors, losses = gpt_errors(models, gpt, device)
+    return {"check": f"GPTModel ({gpt['num_layers']} MoE layers, E={gpt['num_moe_experts']}, K={gpt['moe_router_topk']}, "
+                     f"{gpt['batch']}x{gpt['seq']} tokens)", "errors": errors, **verdict(errors),
+            "loss": {k: v.item() for k, v in losses.items()}}
+
+
+def gpt_errors(models: dict, gpt, device, grads_of=named_grads):
+    """(relative errors of the stock and MoEBlaze loss and gradient groups against the oracle's,
+    {label: loss}) of one forward+backward of each of ``models`` on the same batch."""
     tokens, positions = gpt_batch(gpt, device, seed_value=4)
     losses, grads = {}, {}
     for label, model in models.items():
         loss = model(tokens, positions, None, labels=tokens).float().mean()
         loss.backward()
         losses[label] = loss.detach()
-        grads[label] = named_grads(model)
+        grads[label] = grads_of(model)
     errors = {label: {"loss": rel_err(losses[label], losses["oracle"]), **grouped_errors(grads[label], grads["oracle"])}
               for label in ("stock", "moeblaze")}
-    return {"check": f"GPTModel ({gpt['num_layers']} MoE layers, E={gpt['num_moe_experts']}, K={gpt['moe_router_topk']}, "
-                     f"{gpt['batch']}x{gpt['seq']} tokens)", "errors": errors, **verdict(errors),
-            "loss": {k: v.item() for k, v in losses.items()}}
+    return errors, losses
 
 
 def gpt_batch(gpt, device, seed_value):
@@ -270,11 +285,20 @@ def time_layer(name, shape, tokens, device, warmup, reps):
 
 
 def time_gpt(gpt, device, warmup, reps):
+    builders = [(label, lambda dispatcher=dispatcher: build_gpt(gpt_config(dispatcher, torch.bfloat16, device, gpt),
+                                                                device, gpt["vocab"], gpt["seq"]))
+                for label, dispatcher in (("stock alltoall+SequentialMLP", "alltoall"), ("moeblaze", "moeblaze"))]
+    return time_gpt_models(f"GPTModel {gpt['batch']}x{gpt['seq']}", builders, gpt, device, warmup, reps)
+
+
+def time_gpt_models(what, builders, gpt, device, warmup, reps):
+    """measure() of one training forward+backward of each model ``build()`` gives (seeded alike),
+    one at a time on the same batch: rows of the timing table."""
     rows = []
     tokens, positions = gpt_batch(gpt, device, seed_value=7)
-    for label, dispatcher in (("stock alltoall+SequentialMLP", "alltoall"), ("moeblaze", "moeblaze")):
+    for label, build in builders:
         seed(8)
-        model = build_gpt(gpt_config(dispatcher, torch.bfloat16, device, gpt), device, gpt["vocab"], gpt["seq"])
+        model = build()
 
         def step():
             for p in model.parameters():
@@ -282,8 +306,7 @@ def time_gpt(gpt, device, warmup, reps):
             model(tokens, positions, None, labels=tokens).float().mean().backward()
 
         ms, peak = measure(step, list(model.parameters()), device, warmup, reps)
-        rows.append({"what": f"GPTModel {gpt['batch']}x{gpt['seq']}", "impl": label, "ms": ms, "peak_MiB": peak,
-                     "TFLOP/s": None})
+        rows.append({"what": what, "impl": label, "ms": ms, "peak_MiB": peak, "TFLOP/s": None})
         del model
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -3,8 +3,9 @@
 Each maps (x [T, d], top-k ids [T, K], top-k probs [T, K]) -> y [T, d] and owns its parameters,
 built from the same fc1 [E, 2h|h, d] and fc2 [E, d, h] weights. Peers: grouped_mm
 (torch._grouped_mm pipeline, as torchtitan does it), megatron_sequential (Megatron-Core alltoall
-dispatcher + SequentialMLP), megablocks (dMoE, grouped path), liger (Liger-Kernel's fused MoE),
-scattermoe. A peer's library is imported when the peer is built, so a missing one fails there.
+dispatcher + SequentialMLP), te_grouped (Megatron-Core alltoall dispatcher with the fused
+permutation + TEGroupedMLP, Transformer Engine's grouped GEMM: the stock MoE with TE, EP = 1),
+megablocks (dMoE, grouped path), liger (Liger-Kernel's fused MoE), scattermoe. A peer's library is imported when the peer is built, so a missing one fails there.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from moeblaze_megatron import moe_mlp
 # benchmark run; DESIGN.md measured it with autotuning off too.
 os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
 
-IMPLS = ("moeblaze", "moeblaze_fc1", "grouped_mm", "megatron_sequential", "megablocks", "liger", "scattermoe")
+IMPLS = ("moeblaze", "moeblaze_fc1", "grouped_mm", "megatron_sequential", "te_grouped", "megablocks", "liger",
+         "scattermoe")
 # An illegal memory access kills the whole process, so a peer known to crash on a shape is skipped.
 KNOWN_CRASHES = {("dsv3-like", "scattermoe"): "skipped: died with an illegal memory access on this "
                  "shape when measured for DESIGN.md (2026-11-29); an IMA would end this whole run"}
@@ -103,7 +105,6 @@ class MegatronSequential(Impl):
     def __init__(self, fc1, fc2, activation, num_experts, topk):
         super().__init__(fc1, fc2, activation, num_experts, topk)
         from megatron.core import parallel_state
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.spec_utils import ModuleSpec, build_module
         from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -121,16 +122,28 @@ class MegatronSequential(Impl):
             moe_token_dispatcher_type="alltoall", gated_linear_unit=activation == "swiglu",
             activation_func=F.gelu if activation == "gelu" else F.silu, add_bias_linear=False,
             bf16=fc1.dtype == torch.bfloat16, params_dtype=fc1.dtype, moe_aux_loss_coeff=0.0,
-            use_cpu_initialization=True, perform_initialization=False,
+            perform_initialization=False, **self.config_fields(fc1),
         )
-        spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False).submodules.mlp
+        spec = self.layer_spec(E)
         # megatron-core 0.19 writes submodule specs as functools.partial, older ones as ModuleSpec.
         layer = build_module(spec, config=config) if isinstance(spec, ModuleSpec) else spec(config=config)
         self.layer = layer.to(fc1.device)
         with torch.no_grad():
-            for e, expert in enumerate(self.layer.experts.local_experts):
-                expert.linear_fc1.weight.copy_(fc1[e])
-                expert.linear_fc2.weight.copy_(fc2[e])
+            for e, (w1, w2) in enumerate(self.expert_weights()):
+                w1.copy_(fc1[e])
+                w2.copy_(fc2[e])
+
+    def config_fields(self, fc1) -> dict:
+        return dict(use_cpu_initialization=True)
+
+    def layer_spec(self, num_experts):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        return get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False).submodules.mlp
+
+    def expert_weights(self):
+        """(fc1 [2h|h, d], fc2 [d, h]) parameters of each expert, in expert order."""
+        return [(e.linear_fc1.weight, e.linear_fc2.weight) for e in self.layer.experts.local_experts]
 
     def params(self):
         return [p for p in self.layer.experts.parameters()]
@@ -146,6 +159,40 @@ class MegatronSequential(Impl):
         out, _ = layer.routed_experts_compute(hidden, p)
         out = layer.combine(out)
         return layer.postprocess(out, None).view(T, -1)
+
+
+class MegatronTEGrouped(MegatronSequential):
+    """The stock MoE with Transformer Engine at EP = 1: Megatron-Core's alltoall dispatcher with
+    the fused permutation (TE's kernels) and TEGroupedMLP (TE's GroupedLinear, the grouped GEMM of
+    --moe-grouped-gemm), the layer of Megatron's TE spec; the same stages as megatron_sequential."""
+
+    name = "te_grouped"
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except ImportError as error:
+            raise RuntimeError(f"te_grouped needs Transformer Engine ({error})") from None
+        if not fc1.is_cuda:
+            raise RuntimeError("te_grouped runs on CUDA (Transformer Engine)")
+        super().__init__(fc1, fc2, activation, num_experts, topk)
+
+    def config_fields(self, fc1) -> dict:
+        # TE builds its parameters on the GPU; grouped GEMM and the fused permutation are the
+        # options Megatron users set with TE (TEGroupedMLP's own SwiGLU kernel is the default
+        # bias_activation_fusion path).
+        return dict(use_cpu_initialization=False, moe_grouped_gemm=True, moe_permute_fusion=True,
+                    bias_activation_fusion=self.activation == "swiglu")
+
+    def layer_spec(self, num_experts):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=True).submodules.mlp
+
+    def expert_weights(self):
+        experts = self.layer.experts
+        return [(getattr(experts.linear_fc1, f"weight{e}"), getattr(experts.linear_fc2, f"weight{e}"))
+                for e in range(experts.num_local_experts)]
 
 
 class MegaBlocks(Impl):
@@ -233,7 +280,8 @@ class ScatterMoE(Impl):
         return self.mlp(x, probs.to(x.dtype), ids)
 
 
-IMPL_CLASSES = {c.name: c for c in (MoEBlaze, MoEBlazeFc1, GroupedMM, MegatronSequential, MegaBlocks, Liger, ScatterMoE)}
+IMPL_CLASSES = {c.name: c for c in (MoEBlaze, MoEBlazeFc1, GroupedMM, MegatronSequential, MegatronTEGrouped,
+                                    MegaBlocks, Liger, ScatterMoE)}
 
 
 def map_grads(impl, grads):
@@ -243,10 +291,9 @@ def map_grads(impl, grads):
         return p[0], p[1]
     if isinstance(impl, GroupedMM):
         return p[0].transpose(1, 2), p[1].transpose(1, 2)
-    if isinstance(impl, MegatronSequential):
-        experts = impl.layer.experts.local_experts
-        return (torch.stack([e.linear_fc1.weight.grad for e in experts]),
-                torch.stack([e.linear_fc2.weight.grad for e in experts]))
+    if isinstance(impl, MegatronSequential):  # and MegatronTEGrouped
+        weights = impl.expert_weights()
+        return torch.stack([w1.grad for w1, _ in weights]), torch.stack([w2.grad for _, w2 in weights])
     if isinstance(impl, MegaBlocks):
         m = impl.mlp.mlp
         E = impl.E

@@ -98,7 +98,7 @@ def test_compare_dispatchers_fails_on_divergence(tmp_path, monkeypatch, capsys):
     says where."""
     baseline, candidate, control = [6.0, 5.0, 4.0], [6.0, 5.5, 5.0], [6.0, 5.0, 4.0]
 
-    def diverging(args, device, progress):
+    def diverging(args, device, progress, save_partial=None):
         runs = {name: {"dispatcher": d, "losses": losses, "step_seconds": [1.0] * 3, "tokens_per_step": 64,
                        "median_step_seconds": 1.0, "tokens_per_second": 64.0, "saved_activation_bytes": 1}
                 for name, d, losses in (("baseline", "allgather", baseline), ("candidate", "moeblaze", candidate),

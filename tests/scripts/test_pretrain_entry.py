@@ -24,7 +24,15 @@ from moe_testing import rel_error
 
 from moeblaze_megatron import install
 from moeblaze_megatron.training.cpu_shims import enable_cpu_megatron
-from moeblaze_megatron.training.families import COMMON_MODEL_ARGS, MODEL_FAMILIES, NO_TE_ARGS, family_args
+from moeblaze_megatron.training.families import (
+    COMMON_MODEL_ARGS,
+    LOCAL_IMPL_ARGS,
+    MODEL_FAMILIES,
+    NO_APEX_ARGS,
+    NO_TE_ARGS,
+    TE_STOCK_VARIANTS,
+    family_args,
+)
 from moeblaze_megatron.training.pretraining import gpt_model_config
 from moeblaze_megatron.training.train_loop import single_process
 
@@ -65,6 +73,22 @@ def dry_run(script: str, **env) -> list[str]:
     return words[words.index(str(REPO / "scripts" / "pretrain_gpt.py")) + 1:]
 
 
+def fake_python(tmp_path, te: bool, apex: bool) -> str:
+    """A python3 for the launchers that answers their Transformer Engine and Apex probes as told
+    (exit 0: importable) and runs the real interpreter for everything else."""
+    path = tmp_path / f"python-te{int(te)}-apex{int(apex)}"
+    path.write_text(
+        "#!/usr/bin/env bash\n"
+        'case "$*" in\n'
+        f'  *"import transformer_engine"*) exit {0 if te else 1} ;;\n'
+        f"  *fused_weight_gradient_mlp_cuda*) exit {0 if apex else 1} ;;\n"
+        "esac\n"
+        f'exec {shlex.quote(os.sys.executable)} "$@"\n'
+    )
+    path.chmod(0o755)
+    return str(path)
+
+
 @pytest.mark.parametrize("family", sorted(EXAMPLES))
 def test_example_model_flags_are_the_comparison_families(family):
     """compare_dispatchers.py --family X trains exactly the model examples/X.sh launches."""
@@ -75,7 +99,46 @@ def test_example_model_flags_are_the_comparison_families(family):
 def test_example_common_flags_match_the_loop():
     common = (REPO / "examples" / "common.sh").read_text()
     assert bash_array(common, "COMMON_MODEL_ARGS") == list(COMMON_MODEL_ARGS)
-    assert bash_array(common, "IMPL_ARGS") == list(NO_TE_ARGS)
+    assert bash_array(common, "IMPL_ARGS") == list(LOCAL_IMPL_ARGS)
+    assert bash_array(common, "NO_APEX_ARGS") == list(NO_APEX_ARGS)
+    assert list(NO_TE_ARGS) == [*LOCAL_IMPL_ARGS, *NO_APEX_ARGS]
+    te = TE_STOCK_VARIANTS["te"]
+    assert bash_array(common, "TE_STOCK_EXPERT_ARGS") == list(te.stock_args)
+    assert bash_array(common, "TE_ROUTER_ARGS") == list(te.shared_args)
+
+
+@pytest.mark.parametrize("te", [False, True], ids=["no_te", "te"])
+@pytest.mark.parametrize("apex", [False, True], ids=["no_apex", "apex"])
+def test_launcher_flags_follow_transformer_engine_and_apex(tmp_path, te, apex):
+    """Local layers without TE; Apex's fusions off wherever Apex is missing, TE or not; with TE the
+    stock dispatchers run TEGroupedMLP with the fused permutation and both dispatchers the fused
+    router (STOCK=auto), and STOCK=sequential keeps SequentialMLP with TE layers."""
+    python = fake_python(tmp_path, te, apex)
+    argv = {d: dry_run("qwen3_moe.sh", DISPATCHER=d, DATA="mock", PYTHON=python) for d in ("alltoall", "moeblaze")}
+    te_stock = TE_STOCK_VARIANTS["te"]
+    for dispatcher, words in argv.items():
+        impl = words[words.index("--transformer-impl") + 1]
+        assert impl == ("transformer_engine" if te else "local")
+        assert ("--no-rope-fusion" in words) == (not te)
+        for flag in NO_APEX_ARGS:
+            assert (flag in words) == (not apex), (dispatcher, flag)
+        for flag in te_stock.stock_args:
+            assert (flag in words) == (te and dispatcher == "alltoall"), (dispatcher, flag)
+        for flag in te_stock.shared_args:
+            assert (flag in words) == te, (dispatcher, flag)
+    sequential = dry_run("qwen3_moe.sh", DISPATCHER="alltoall", DATA="mock", PYTHON=python, STOCK="sequential")
+    assert not set(sequential) & {*te_stock.stock_args, *te_stock.shared_args}
+    assert sequential[sequential.index("--transformer-impl") + 1] == ("transformer_engine" if te else "local")
+
+
+def test_launcher_refuses_te_stock_without_te(tmp_path):
+    for stock, message in (("te", "STOCK=te needs Transformer Engine"), ("grouped", "STOCK must be auto, te or sequential")):
+        result = subprocess.run(
+            ["bash", str(REPO / "examples" / "qwen3_moe.sh")], capture_output=True, text=True, timeout=60,
+            env={**os.environ, "DRY_RUN": "1", "DATA": "mock", "STOCK": stock,
+                 "PYTHON": fake_python(tmp_path, te=False, apex=False)},
+        )
+        assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("family", sorted(EXAMPLES))

@@ -1,0 +1,219 @@
+"""compare_dispatchers.py's Transformer Engine baseline without TE: the argument checks of
+--baseline alltoall_te, which flags each run gets, the stock variant selection (each variant from
+the same weights, the fastest kept, failures reported), the control repeating either run, and
+the loss check's envelope. Megatron's Trainer is replaced by a stand-in that records how it was
+built (the real loop with TE runs on the GPU: scripts/gpu_suite.sh STEPS=te_select/te_compare)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import torch
+from benchlib import dispatcher_compare as compare
+
+from moeblaze_megatron.training import families, pretraining, train_loop
+
+TE = families.TE_STOCK_VARIANTS
+
+
+def args_for(**overrides):
+    fields = dict(device="cuda", family="qwen3_moe", baseline="alltoall_te", candidate="moeblaze", steps=6, warmup=2,
+                  seq_length=32, micro_batch_size=2, lr=1e-3, seed=1, data="mock", search="none",
+                  memory_budget_gib=80.0, search_time_limit=1.0, resume_check=False, megatron_args="", out=None,
+                  stock_variants=None, variant_steps=5, select_only=False, attention=None, control="baseline")
+    fields.update(overrides)
+    return argparse.Namespace(**fields)
+
+
+@pytest.fixture
+def with_te(monkeypatch):
+    monkeypatch.setattr(pretraining, "have_transformer_engine", lambda: True)
+
+
+CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it
+
+
+def test_te_baseline_argument_checks(monkeypatch, with_te):
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        compare.resolve_stock_form(args_for(), torch.device("cpu"))
+    with pytest.raises(SystemExit, match="--stock-variants applies to --baseline alltoall_te"):
+        compare.resolve_stock_form(args_for(baseline="alltoall", stock_variants="te"), CUDA)
+    with pytest.raises(SystemExit, match="stock variant must be one of"):
+        compare.resolve_stock_form(args_for(stock_variants="te,te_fastest"), CUDA)
+    with pytest.raises(SystemExit, match="twice"):
+        compare.resolve_stock_form(args_for(stock_variants="te,te"), CUDA)
+    with pytest.raises(SystemExit, match="--variant-steps"):
+        compare.resolve_stock_form(args_for(stock_variants="te,te_unfused_router", variant_steps=3), CUDA)
+    with pytest.raises(SystemExit, match="--select-only"):
+        compare.resolve_stock_form(args_for(baseline="alltoall", select_only=True), CUDA)
+    monkeypatch.setattr(pretraining, "have_transformer_engine", lambda: False)
+    with pytest.raises(SystemExit, match="needs Transformer Engine"):
+        compare.resolve_stock_form(args_for(), CUDA)
+
+
+def test_te_baseline_defaults_and_the_flags_of_each_run(with_te):
+    args = args_for()
+    compare.resolve_stock_form(args, CUDA)
+    assert args.stock_variants == ["te"] and args.stock_variant == "te" and args.attention == "auto"
+    dispatcher, extra, env = compare.form(args, "baseline")
+    assert dispatcher == "alltoall" and extra == (*TE["te"].stock_args, *TE["te"].shared_args) and env == {}
+    assert "--moe-grouped-gemm" in extra and "--moe-permute-fusion" in extra and "--moe-router-fusion" in extra
+    # MoEBlaze shares the model's router flags, not the stock dispatch and expert flags.
+    assert compare.form(args, "candidate") == ("moeblaze", ("--moe-router-fusion",), {})
+    assert compare.label(args, "baseline") == "alltoall_te [te]"
+    args.stock_variant = "te_op_fuser"
+    assert compare.form(args, "baseline")[2] == {"NVTE_CUTEDSL_FUSED_GROUPED_MLP": "1"}
+    args.stock_variant = "te_unfused_router"
+    assert compare.form(args, "candidate") == ("moeblaze", (), {})
+    sequential = args_for(baseline="alltoall")
+    compare.resolve_stock_form(sequential, CUDA)
+    assert compare.form(sequential, "baseline") == ("alltoall", (), {}) and sequential.attention == "sdpa"
+    assert compare.form(sequential, "candidate") == ("moeblaze", (), {})
+
+
+def test_environment_set_restores():
+    os.environ.pop("MOEBLAZE_TEST_VAR", None)
+    with compare.environment_set({"MOEBLAZE_TEST_VAR": "1"}):
+        assert os.environ["MOEBLAZE_TEST_VAR"] == "1"
+    assert "MOEBLAZE_TEST_VAR" not in os.environ
+
+
+def test_fastest_variant():
+    records = {"te": {"median_step_seconds": 0.30}, "te_unfused_router": {"median_step_seconds": 0.28},
+               "te_op_fuser": {"error": "AssertionError: Fused GroupedMLP is not supported"}}
+    assert compare.fastest_variant(records) == "te_unfused_router"
+    assert compare.fastest_variant({"b": {"median_step_seconds": 1.0}, "a": {"median_step_seconds": 1.0}}) == "a"
+    with pytest.raises(SystemExit, match="no variant ran.*te_op_fuser: AssertionError"):
+        compare.fastest_variant({"te_op_fuser": records["te_op_fuser"]})
+
+
+class FakeTrainer:
+    """Trainer's surface the comparison uses; step time from the flags, losses from the run."""
+
+    built = []
+    SECONDS = {"--moe-router-fusion": -0.02, "--use-transformer-engine-op-fuser": None}
+
+    def __init__(self, run, device, initial_state=None, perturb_ulps=0.0):
+        env_seen = os.environ.get("NVTE_CUTEDSL_FUSED_GROUPED_MLP")
+        FakeTrainer.built.append(dict(dispatcher=run.dispatcher, extra=list(run.extra_args), attention=run.attention,
+                                      initial_state=initial_state, perturb=perturb_ulps, env=env_seen, closed=False))
+        self.record = FakeTrainer.built[-1]
+        if "--use-transformer-engine-op-fuser" in run.extra_args:
+            raise AssertionError("Fused GroupedMLP is not supported for this configuration.")
+        self.run, self.device, self.iteration = run, device, 0
+        self.model = [torch.nn.Linear(2, 2)]
+        self.seconds = 0.1 if run.dispatcher == "moeblaze" else 0.3
+        self.seconds += sum(v for k, v in self.SECONDS.items() if k in run.extra_args and v)
+
+    def unwrapped_state_dict(self):
+        return {"w": torch.tensor([float(len(FakeTrainer.built))])}
+
+    def train_step(self, batches=None, forward_context=None):
+        self.iteration += 1
+        loss = 5.0 - 0.1 * self.iteration + (1e-4 * self.iteration if self.record["perturb"] else 0.0)
+        return train_loop.StepResult(loss=loss, seconds=self.seconds, tokens=64)
+
+    def close(self):
+        self.record["closed"] = True
+
+
+def test_selection_then_comparison_with_the_chosen_form(monkeypatch, with_te):
+    """Three variants timed from the first one's weights (the op fuser fails to build and is
+    reported), the fastest becomes the baseline; MoEBlaze gets the shared router flag; the control
+    repeats MoEBlaze (--control candidate) from the same weights moved by one ulp."""
+    monkeypatch.setattr(train_loop, "Trainer", FakeTrainer)
+    FakeTrainer.built = []
+    args = args_for(stock_variants="te_unfused_router,te,te_op_fuser", control="candidate")
+    compare.resolve_stock_form(args, CUDA)
+    result = compare.compare(args, torch.device("cpu"), lambda message: None)
+    selection = result["stock_selection"]
+    assert selection["chosen"] == "te" and args.stock_variant == "te"
+    assert "Fused GroupedMLP is not supported" in selection["variants"]["te_op_fuser"]["error"]
+    assert selection["variants"]["te"]["median_step_seconds"] == pytest.approx(0.28)
+    trials, runs = FakeTrainer.built[:3], FakeTrainer.built[3:]
+    assert [t["initial_state"] for t in trials] == [None, {"w": torch.tensor([1.0])}, {"w": torch.tensor([1.0])}]
+    assert trials[2]["env"] == "1" and trials[0]["env"] is None and "NVTE_CUTEDSL_FUSED_GROUPED_MLP" not in os.environ
+    assert all(t["closed"] for t in FakeTrainer.built if t is not trials[2])  # the op fuser never built
+    assert [(r["dispatcher"], r["perturb"]) for r in runs] == [("alltoall", 0.0), ("moeblaze", 0.0), ("moeblaze", 1.0)]
+    assert runs[0]["extra"] == [*TE["te"].stock_args, *TE["te"].shared_args]
+    assert runs[1]["extra"] == runs[2]["extra"] == ["--moe-router-fusion"]
+    assert all(r["initial_state"] == {"w": torch.tensor([1.0])} for r in runs)
+    assert all(r["attention"] == "auto" for r in FakeTrainer.built)
+    assert result["runs"]["baseline"]["label"] == "alltoall_te [te]"
+    assert result["ratios"]["step_time_speedup"] == pytest.approx(0.28 / 0.08)
+    check = result["loss_check"]
+    assert check["passed"] and check["control_of"] == "candidate"
+    markdown = compare.markdown({**result, "command": "test"})
+    assert "| te (chosen) |" in markdown and "not run: AssertionError" in markdown
+    assert "| alltoall_te [te] |" in markdown and "repeats the candidate" in markdown
+
+
+def test_one_variant_is_not_timed_apart(monkeypatch, with_te):
+    monkeypatch.setattr(train_loop, "Trainer", FakeTrainer)
+    FakeTrainer.built = []
+    partials = []
+    args = args_for(stock_variants="te_unfused_router")
+    compare.resolve_stock_form(args, CUDA)
+    result = compare.compare(args, torch.device("cpu"), lambda message: None,
+                             save_partial=lambda r: partials.append((sorted(r["runs"]), "loss_check" in r)))
+    assert "stock_selection" not in result and len(FakeTrainer.built) == 3
+    assert FakeTrainer.built[2]["dispatcher"] == "alltoall" and FakeTrainer.built[2]["perturb"] == 1.0
+    assert partials == [(["baseline"], False), (["baseline", "candidate"], False),
+                        (["baseline", "candidate", "control"], False), (["baseline", "candidate", "control"], True)]
+
+
+def test_loss_check_envelope_follows_the_control():
+    baseline, candidate = [6.0, 5.0, 4.0], [6.0, 5.0 + 3e-3, 4.0]
+    control_of_candidate = [6.0, 5.0 + 2.9e-3, 4.0]  # 1e-4 from the candidate, 2.9e-3 from the baseline
+    u = 2.0**-24
+    assert compare.loss_check(baseline, candidate, control_of_candidate, u, 64, "baseline")["passed"]
+    assert not compare.loss_check(baseline, candidate, control_of_candidate, u, 64, "candidate")["passed"]
+    with pytest.raises(ValueError, match="control_of"):
+        compare.loss_check(baseline, candidate, candidate, u, 64, "stock")
+
+
+def test_run_spec_flags_follow_te_and_apex(monkeypatch):
+    """The training loop's command line: local layers only without TE, Apex's fusions off wherever
+    Apex is missing (TE or not), the variant's flags appended."""
+    spec = train_loop.RunSpec(family="tiny", dispatcher="alltoall", seq_length=16, micro_batch_size=1, train_iters=2,
+                              warmup_iters=0, extra_args=list(TE["te"].stock_args))
+    for te in (False, True):
+        for apex in (False, True):
+            monkeypatch.setattr(train_loop, "have_transformer_engine", lambda te=te: te)
+            monkeypatch.setattr(train_loop, "have_apex_fusions", lambda apex=apex: apex)
+            argv = spec.megatron_argv(torch.device("cpu"))
+            assert ("--transformer-impl" in argv) == (not te)
+            assert all((flag in argv) == (not apex) for flag in families.NO_APEX_ARGS)
+            assert argv[-len(TE["te"].stock_args):] == list(TE["te"].stock_args)
+
+
+def test_every_variant_flag_is_a_megatron_flag():
+    """Megatron-Core 0.19's parser knows every flag of every stock variant (parsed, not validated:
+    validation wants TE)."""
+    import sys
+
+    from megatron.training.arguments import parse_args
+
+    from moeblaze_megatron.training.pretraining import extra_args_provider
+
+    for variant in TE.values():
+        saved = sys.argv
+        sys.argv = ["x", *families.family_args("tiny"), *variant.stock_args, *variant.shared_args]
+        try:
+            args = parse_args(extra_args_provider)
+        finally:
+            sys.argv = saved
+        for flag in (*variant.stock_args, *variant.shared_args):
+            assert getattr(args, flag.removeprefix("--").replace("-", "_")) is True, (variant.name, flag)
+
+
+def test_apex_probe_looks_for_megatrons_fused_kernel_module(monkeypatch):
+    import importlib.util
+
+    asked = []
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: asked.append(name) or (object() if name else None))
+    assert families.have_apex_fusions() is True and asked == ["fused_weight_gradient_mlp_cuda"]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert families.have_apex_fusions() is False

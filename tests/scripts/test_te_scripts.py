@@ -1,0 +1,144 @@
+"""The Transformer Engine parts of the GPU scripts that run without TE: the te_grouped layer peer is
+listed and skipped with its reason, gpu_megatron_check.py --te refuses the CPU, gpu_suite.sh knows
+its TE steps, and the summary table reads the records those steps write."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from benchlib.layer_bench import available_impls
+from benchlib.peers import IMPLS
+from benchlib.te_report import summary
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_te_grouped_peer_is_listed_and_skipped_without_te():
+    assert "te_grouped" in IMPLS
+    notes = []
+    assert available_impls(["te_grouped"], torch.float32, torch.device("cpu"), notes) == {}
+    assert len(notes) == 1 and notes[0].startswith("te_grouped: not run") and "Transformer Engine" in notes[0]
+
+
+def test_gpu_check_te_refuses_the_cpu():
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_megatron_check.py"), "--te", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--te runs on the GPU only" in done.stderr
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_megatron_check.py"), "--no-router-fusion",
+                           "--device", "cpu", "--smoke"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--no-router-fusion applies to --te" in done.stderr
+
+
+def test_gpu_suite_names_its_te_steps(tmp_path):
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_suite.sh")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "STEPS": "te_check te_bogus", "OUT": str(tmp_path)})
+    assert done.returncode == 1
+    assert "STEPS names 'te_bogus'" in done.stdout and "te_check te_layer te_select te_compare" in done.stdout
+
+
+def _write(path: Path, record: dict) -> None:
+    path.write_text(json.dumps(record))
+
+
+def test_summary_of_te_records(tmp_path):
+    _write(tmp_path / "gpu_megatron_check_te.json", {"checks": [
+        {"check": "TE layer qwen3-like", "pass": True},
+        {"check": "TE checkpoints", "pass": False, "failed": ["sharded layout"]},
+        {"check": "TE GPTModel", "pass": False, "failed": ["raised"], "error": "RuntimeError: boom"}]})
+    _write(tmp_path / "bench_layer_te.json", {"records": [
+        {"config": "conf4", "activation": "swiglu", "impl": "moeblaze", "ms_fwdbwd": 50.0},
+        {"config": "conf4", "activation": "swiglu", "impl": "te_grouped", "ms_fwdbwd": 75.0},
+        {"config": "7b-fine-grained", "activation": "swiglu", "impl": "moeblaze", "ms_fwdbwd": 4.0},
+        {"config": "7b-fine-grained", "activation": "swiglu", "impl": "te_grouped", "error": "OOM"}]})
+    _write(tmp_path / "te_select_qwen3_moe.json", {"stock_selection": {"chosen": "te", "variants": {
+        "te": {"median_step_seconds": 0.25}, "te_op_fuser": {"error": "AssertionError"}}}})
+
+    def run(label, ms):
+        return {"dispatcher": label.split(" ")[0], "label": label, "median_step_seconds": ms / 1e3,
+                "tokens_per_second": 8192 / (ms / 1e3), "peak_memory_bytes": 40 * 2**30}
+
+    _write(tmp_path / "te_compare_qwen3_moe.json", {
+        "runs": {"baseline": run("alltoall_te [te]", 280.0), "candidate": run("moeblaze", 100.0)},
+        "search": {"baseline": {"largest_fitting": 8}, "candidate": {"largest_fitting": 14}},
+        "loss_check": {"passed": True, "steps": [{}] * 500, "worst_diff_over_tolerance": 0.4}})
+    _write(tmp_path / "te_compare_deepseek_v3.json", {"partial": True, "runs": {"baseline": run("alltoall_te [te]", 300.0)}})
+    text = summary(tmp_path)
+    assert "| TE layer qwen3-like | PASS |" in text and "| TE checkpoints | FAIL sharded layout |" in text
+    assert "FAIL raised (RuntimeError: boom)" in text
+    assert "| conf4 | swiglu | 50.00 | 75.00 | 1.50x |" in text and "| 7b-fine-grained | swiglu | 4.00 | OOM | - |" in text
+    assert "qwen3_moe: fastest stock variant te (te 250.0 ms; te_op_fuser not run)" in text
+    assert "| qwen3_moe | 280.0 (alltoall_te [te]) | 100.0 | 2.80x |" in text
+    assert "8 / 14 (1.75x)" in text and "agree over 500 steps (worst 0.40)" in text
+    assert "| deepseek_v3 | incomplete run (partial record) |" in text
+    assert summary(tmp_path / "nothing") == ""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "te_summary.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and (tmp_path / "te_summary.md").read_text().strip() == done.stdout.strip()
+
+
+# A python3 for gpu_suite.sh: every call logged; compare_dispatchers.py and bench_layer.py calls
+# parsed by the scripts' own parsers (a misspelt flag fails the run); --select-only writes the
+# selection record the suite hands to te_compare; everything else (the TE probe, the checks) exits 0.
+_PARSE = r"""
+import importlib.util, json, os, sys
+name, argv = sys.argv[1], sys.argv[2:]
+spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+args = module.parse_args(argv)
+if getattr(args, "select_only", False):
+    os.makedirs(args.out, exist_ok=True)
+    chosen = args.stock_variants.split(",")[-1]
+    json.dump({"stock_selection": {"chosen": chosen, "variants": {}}}, open(os.path.join(args.out, "variants.json"), "w"))
+"""
+
+
+def _fake_tools(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "parse.py").write_text(_PARSE)
+    (bin_dir / "python3").write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$*" >> {tmp_path}/calls.log\n'
+        'case "$1 $2" in\n'
+        "  *transformer_engine*|*megatron.core*) exit 0 ;;\n"
+        f'  "-c "*) exec {sys.executable} "$@" ;;\n'
+        f"  scripts/compare_dispatchers.py*|scripts/bench_layer.py*) PYTHONPATH=scripts exec {sys.executable} "
+        f'{tmp_path}/parse.py "$@" ;;\n'
+        "esac\n"
+        "exit 0\n")
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho fake-gpu\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return bin_dir
+
+
+def test_gpu_suite_te_steps_commands(tmp_path):
+    """STEPS="te_check te_layer te_select te_compare": the commands the suite runs parse with the
+    scripts' own parsers; the selected variant of each family reaches its comparison; only
+    TE_RESUME_FAMILY runs the resume check; the outputs fold into the archive and top-level JSON."""
+    bin_dir = _fake_tools(tmp_path)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_suite.sh")], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
+             "STEPS": "te_check te_layer te_select te_compare", "TE_STATE_DIR": str(tmp_path / "state"),
+             "TE_RESUME_FAMILY": "qwen3_moe"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    scripts_run = [c.split()[0] for c in calls if c.startswith("scripts/")]
+    assert scripts_run == ["scripts/gpu_megatron_check.py", "scripts/bench_layer.py"] + [
+        "scripts/compare_dispatchers.py"] * 4 + ["scripts/te_summary.py"]
+    assert all("rc=0" in line for line in done.stdout.splitlines() if line.startswith("== ") and "rc=" in line)
+    compares = [c for c in calls if c.startswith("scripts/compare_dispatchers.py") and "--select-only" not in c]
+    assert "--family qwen3_moe" in compares[0] and "--stock-variants te_op_fuser " in compares[0]
+    assert "--family deepseek_v3" in compares[1] and "--stock-variants te_shared_overlap " in compares[1]
+    assert "--no-resume-check" not in compares[0] and "--no-resume-check" in compares[1]
+    assert (tmp_path / "state" / "deepseek_v3.variant").read_text().strip() == "te_shared_overlap"
+    kept = sorted(p.name for p in out.iterdir())
+    assert "results.tar.gz" in kept and "te_select_qwen3_moe.json" in kept and all(p.is_file() for p in out.iterdir())
