@@ -142,28 +142,31 @@ def test_model_against_measured_bytes(ranks):
     assert not failures, "\n".join(failures)
 
 
-def test_stock_saved_bytes_at_ep1(monkeypatch):
-    """Megatron's alltoall dispatcher + SequentialMLP, routing given (bench_layer's peer)."""
+def _stock_worker(rank, world_size, port):
+    """Megatron's alltoall dispatcher + SequentialMLP, routing given (bench_layer's peer), in a
+    process of its own: the peer initializes Megatron's parallel state."""
+    import os
+
     from benchlib.peers import MegatronSequential
 
-    from moe_testing import free_port
     from moeblaze_megatron.training.cpu_shims import enable_cpu_megatron
 
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    os.environ["MASTER_PORT"] = str(port)
     g = torch.Generator().manual_seed(5)
     E, K, d, h = LAYER.experts, LAYER.topk, LAYER.d, LAYER.h
     fc1 = torch.randn(E, 2 * h, d, generator=g)
     fc2 = torch.randn(E, d, h, generator=g)
     with enable_cpu_megatron():
-        try:
-            impl = MegatronSequential(fc1, fc2, "swiglu", E, K)
-            x = torch.randn(TOKENS, d, generator=g, requires_grad=True)
-            ids = torch.rand(TOKENS, E, generator=g).topk(K, dim=1).indices
-            probs = torch.rand(TOKENS, K, generator=g, requires_grad=True)
-            _, saved = saved_bytes_for_backward(lambda: impl(x, ids, probs), impl.params())
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        impl = MegatronSequential(fc1, fc2, "swiglu", E, K)
+        x = torch.randn(TOKENS, d, generator=g, requires_grad=True)
+        ids = torch.rand(TOKENS, E, generator=g).topk(K, dim=1).indices
+        probs = torch.rand(TOKENS, K, generator=g, requires_grad=True)
+        _, saved = saved_bytes_for_backward(lambda: impl(x, ids, probs), impl.params())
+    return saved
+
+
+def test_stock_saved_bytes_at_ep1():
+    (saved,) = run_distributed(_stock_worker, 1, timeout=120)
     model = saved_bytes(LAYER, TOKENS, 1, "stock")
     assert abs(saved - model) <= SAVED_TOL * saved, (saved, model)
 
