@@ -1,0 +1,55 @@
+"""compare_torchtitan.py on the CPU (the tiny model, the reference backend, a few steps): stock,
+MoEBlaze and the control train from the same weights and data through torchtitan's pieces, the
+losses agree within the measured noise, the MoE layers save less for backward, the JSON and the
+closing table say so; the torch-2.11 stand-in for DataParallelMeshDims; the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from benchlib import titan_compare
+
+import compare_torchtitan
+
+
+def test_cpu_comparison(tmp_path, capsys):
+    status = compare_torchtitan.main(["--device", "cpu", "--steps", "5", "--warmup", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "compare_torchtitan.json").read_text())
+    assert status == 0 and result["loss_check"]["passed"], result["loss_check"]
+    runs = result["runs"]
+    assert [runs[n]["run"] for n in ("baseline", "candidate")] == ["stock", "moeblaze"]
+    # Same weights and data: the first losses agree to rounding, later ones within the bound.
+    assert abs(runs["candidate"]["losses"][0] - runs["baseline"]["losses"][0]) <= 1e-2 * runs["baseline"]["losses"][0]
+    assert all(len(runs[n]["losses"]) == 5 for n in runs)
+    assert 0 < runs["candidate"]["saved_moe_bytes"] < runs["baseline"]["saved_moe_bytes"]
+    assert result["ratios"]["moe_saved_ratio"] < 1 and result["config"]["cuda_graphs_used"] is False
+    assert result["environment"]["torchtitan"] == "0.3.0"
+    table = capsys.readouterr().out.strip().splitlines()
+    assert table[-1].startswith("losses agree") and any(line.startswith("| moeblaze |") for line in table)
+
+
+def test_stand_in_for_a_missing_data_parallel_mesh_dims(monkeypatch):
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        monkeypatch.delattr(fsdp, "DataParallelMeshDims")
+        assert titan_compare.install_fsdp_stand_in() is True
+        with pytest.raises(RuntimeError, match="stand-in for torch.distributed.fsdp.DataParallelMeshDims"):
+            fsdp.DataParallelMeshDims(shard="dp_shard")
+    # Where torch has it, nothing is replaced.
+    monkeypatch.setattr(fsdp, "DataParallelMeshDims", object, raising=False)
+    assert titan_compare.install_fsdp_stand_in() is False and fsdp.DataParallelMeshDims is object
+
+
+def test_command_line_errors(capsys):
+    for argv, message in ((["--seq-len", "60"], "multiple of 8"), (["--steps", "2"], "at least 4"),
+                          (["--local-batch-size", "0"], "must be positive")):
+        with pytest.raises(SystemExit):
+            compare_torchtitan.parse_args(argv)
+        assert message in capsys.readouterr().err
+    args = compare_torchtitan.parse_args(["--device", "cpu", "--search", "micro-batch"])
+    with pytest.raises(SystemExit, match="--search needs a GPU"):
+        titan_compare.resolve(args)
+    args = compare_torchtitan.parse_args(["--device", "cpu"])
+    assert titan_compare.resolve(args).type == "cpu" and (args.family, args.backend) == ("tiny", "reference")
