@@ -73,8 +73,8 @@ def resolve(args):
 class SavedForBackward:
     """Bytes autograd saves for backward during one forward pass, parameters excluded (each
     storage counted once, whole): in the whole model, and inside the routed experts of its MoE
-    layers. Parameters are recognized when their module's forward starts (FSDP's unsharded
-    copies exist only then)."""
+    layers. Parameters are recognized when a module above them starts its forward (FSDP's
+    unsharded copies exist only then)."""
 
     def __init__(self, model, routed_experts):
         self.model, self.routed_experts = model, routed_experts
@@ -88,8 +88,9 @@ class SavedForBackward:
         inside = [0]
         handles = []
         for module in self.model.modules():
-            handles.append(module.register_forward_pre_hook(
-                lambda m, a: params.update(p.untyped_storage().data_ptr() for p in m.parameters(recurse=False))))
+            # Every parameter below the module: a module may read a child's parameters without
+            # calling the child (the override reads GroupedExperts' weights).
+            handles.append(module.register_forward_pre_hook(lambda m, a: params.update(_storages(m.parameters()))))
         for module in self.routed_experts:
             handles.append(module.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, inside[0] + 1)))
             handles.append(module.register_forward_hook(lambda m, a, o: inside.__setitem__(0, inside[0] - 1)))
@@ -112,6 +113,17 @@ class SavedForBackward:
         # A storage first seen as an activation and later as a parameter is a parameter.
         self.total = sum(v for k, v in everything.items() if k not in params)
         self.moe = sum(v for k, v in moe.items() if k not in params)
+
+
+def _storages(tensors) -> set[int]:
+    """Data pointers of the tensors' storages, leaving out storages FSDP has freed (resharded)."""
+    out = set()
+    for tensor in tensors:
+        try:
+            out.add(tensor.untyped_storage().data_ptr())
+        except RuntimeError:  # "invalid python storage": no memory behind it now
+            pass
+    return out
 
 
 def train(trainer, label, steps, progress, measure_saved=True, allocated_before=0) -> dict:

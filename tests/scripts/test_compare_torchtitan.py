@@ -22,7 +22,11 @@ def test_cpu_comparison(tmp_path, capsys):
     # Same weights and data: the first losses agree to rounding, later ones within the bound.
     assert abs(runs["candidate"]["losses"][0] - runs["baseline"]["losses"][0]) <= 1e-2 * runs["baseline"]["losses"][0]
     assert all(len(runs[n]["losses"]) == 5 for n in runs)
-    assert 0 < runs["candidate"]["saved_moe_bytes"] < runs["baseline"]["saved_moe_bytes"]
+    # The override's MoE layers keep the floor: per layer the bf16 input and pre-activations
+    # (2Td + 4TKh bytes) plus O(T*K) indices; stock keeps its routed copies.
+    T, d, h, K, layers = 4 * 64, 64, 32, 2, 2
+    floor = layers * (1.05 * (2 * T * d + 4 * T * K * h) + 16 * T * K + 4 * 9)
+    assert 0 < runs["candidate"]["saved_moe_bytes"] <= floor < runs["baseline"]["saved_moe_bytes"]
     assert result["ratios"]["moe_saved_ratio"] < 1 and result["config"]["cuda_graphs_used"] is False
     assert result["environment"]["torchtitan"] == "0.3.0"
     table = capsys.readouterr().out.strip().splitlines()
