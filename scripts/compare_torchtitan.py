@@ -16,7 +16,7 @@ forward pass, on a GPU the largest micro-batch whose steps fit ``--memory-budget
 then bisection, two steps per probe), and the loss curves: at every step the override's loss must
 lie within 4 x the running maximum of |control - stock| of stock's (before the control diverges, 4
 x the loss's rounding noise u |loss| / sqrt(tokens per step), u = 2^-8). Prints a short table
-last, writes compare_torchtitan.json under --out (default $OUT, else
+last, writes compare_torchtitan.json and losses.png (the loss overlay) under --out (default $OUT, else
 runs/compare_torchtitan/<family>-<cpu|gpu>), and exits non-zero if the losses diverge.
 
 On torch 2.11, which lacks ``torch.distributed.fsdp.DataParallelMeshDims`` (torch >= 2.12; only

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import platform
 import time
 from pathlib import Path
 
-from .dispatcher_compare import REPO, Progress, loss_check, summarize
-from .memory_search import gc_free, largest_fitting
+from .dispatcher_compare import REPO, Progress, _mib, loss_check, plot, record_step, summarize
+from .memory_search import fits_in_memory, gc_free, largest_fitting
 
 DEFAULT_OUT = REPO / "runs" / "compare_torchtitan"  # git-ignored (/runs/)
 DEFAULTS = {
@@ -129,8 +128,7 @@ def _storages(tensors) -> set[int]:
 def train(trainer, label, steps, progress, measure_saved=True, allocated_before=0) -> dict:
     import torch
 
-    record = {"run": label, "losses": [], "step_seconds": [], "tokens_per_step": None}
-    report_every = max(1, steps // 6)
+    record = {"dispatcher": trainer.run.label, "losses": [], "step_seconds": [], "tokens_per_step": None}
     for i in range(steps):
         if i == 0 and measure_saved:
             saved = SavedForBackward(trainer.model, trainer.routed_experts())
@@ -139,13 +137,7 @@ def train(trainer, label, steps, progress, measure_saved=True, allocated_before=
             record["saved_moe_bytes"] = saved.moe
         else:
             result = trainer.train_step()
-        record["losses"].append(result.loss)
-        record["step_seconds"].append(result.seconds)
-        record["tokens_per_step"] = result.tokens
-        if not math.isfinite(result.loss):
-            raise RuntimeError(f"{label}: loss is {result.loss} at step {i + 1}")
-        if (i + 1) % report_every == 0 or i + 1 == steps:
-            progress(f"  {label}: step {i + 1:4d}/{steps}  loss {result.loss:.4f}  {result.seconds * 1e3:8.1f} ms/step")
+        record_step(record, result, label, i, steps, progress, trainer.step)
     if trainer.device.type == "cuda":
         record["peak_memory_bytes"] = torch.cuda.max_memory_allocated(trainer.device) - allocated_before
     return record
@@ -162,22 +154,14 @@ def search_micro_batch(trainer, budget_bytes, time_limit, progress, allocated_be
     probes = []
 
     def fits(batch: int) -> bool:
-        gc_free()
-        torch.cuda.reset_peak_memory_stats(device)
         began = time.perf_counter()
-        ok = True
-        try:
+
+        def two_steps():
             for _ in range(2):
                 trainer.train_step(trainer.random_batch(batch, trainer.run.seq_len, generator), eager=True)
-        except torch.OutOfMemoryError:
-            ok = False
-        except RuntimeError as error:  # an allocation failing outside the caching allocator
-            if "out of memory" not in str(error):
-                raise
-            ok = False
+
+        ok, peak = fits_in_memory(device, two_steps, budget_bytes, allocated_before)
         trainer.optimizers.zero_grad(set_to_none=not trainer.run.cuda_graphs)
-        peak = torch.cuda.max_memory_allocated(device) - allocated_before
-        ok = ok and peak <= budget_bytes
         probes.append({"value": batch, "tokens": batch * trainer.run.seq_len, "fits": ok, "peak_bytes": peak,
                        "seconds": time.perf_counter() - began})
         progress(f"    micro-batch {batch:4d}: {'fits' if ok else 'does not fit'}, peak {peak / 2**30:6.1f} GiB")
@@ -293,13 +277,6 @@ def compare(args, device, progress, cuda_graphs: bool) -> dict:
     return result
 
 
-def _mib(value) -> str:
-    if value is None:
-        return "n/a"
-    mib = value / 2**20
-    return f"{mib:,.0f}" if mib >= 100 else f"{mib:.2f}"
-
-
 def table(result: dict) -> str:
     """The short table printed last."""
     runs, ratios, check = result["runs"], result["ratios"], result["loss_check"]
@@ -314,7 +291,7 @@ def table(result: dict) -> str:
     for name in ("baseline", "candidate"):
         r = runs[name]
         largest = search[name]["largest_fitting"] if search else "-"
-        lines.append(f"| {r['run']} | {r['median_step_seconds'] * 1e3:.1f} | {r['tokens_per_second']:,.0f} | "
+        lines.append(f"| {r['dispatcher']} | {r['median_step_seconds'] * 1e3:.1f} | {r['tokens_per_second']:,.0f} | "
                      f"{_mib(r.get('peak_memory_bytes'))} | {_mib(r['saved_moe_bytes'])} | "
                      f"{_mib(r['saved_activation_bytes'])} | {largest} |")
     lines.append(f"step time {ratios['step_time_speedup']:.2f}x stock (goal >= 1.3); MoE saved for backward "
@@ -362,7 +339,8 @@ def run(args, command: str) -> int:
     result["command"] = command.strip()
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare_torchtitan.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    progress(f"wrote {out / 'compare_torchtitan.json'}")
+    plot(out / "losses.png", result)
+    progress(f"wrote {out / 'compare_torchtitan.json'} and losses.png (the loss overlay)")
     print()
     print(table(result), flush=True)
     if not result["loss_check"]["passed"]:

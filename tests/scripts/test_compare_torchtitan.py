@@ -18,7 +18,7 @@ def test_cpu_comparison(tmp_path, capsys):
     result = json.loads((tmp_path / "compare_torchtitan.json").read_text())
     assert status == 0 and result["loss_check"]["passed"], result["loss_check"]
     runs = result["runs"]
-    assert [runs[n]["run"] for n in ("baseline", "candidate")] == ["stock", "moeblaze"]
+    assert [runs[n]["dispatcher"] for n in ("baseline", "candidate")] == ["stock", "moeblaze"]
     # Same weights and data: the first losses agree to rounding, later ones within the bound.
     assert abs(runs["candidate"]["losses"][0] - runs["baseline"]["losses"][0]) <= 1e-2 * runs["baseline"]["losses"][0]
     assert all(len(runs[n]["losses"]) == 5 for n in runs)
@@ -28,7 +28,7 @@ def test_cpu_comparison(tmp_path, capsys):
     floor = layers * (1.05 * (2 * T * d + 4 * T * K * h) + 16 * T * K + 4 * 9)
     assert 0 < runs["candidate"]["saved_moe_bytes"] <= floor < runs["baseline"]["saved_moe_bytes"]
     assert result["ratios"]["moe_saved_ratio"] < 1 and result["config"]["cuda_graphs_used"] is False
-    assert result["environment"]["torchtitan"] == "0.3.0"
+    assert result["environment"]["torchtitan"] == "0.3.0" and (tmp_path / "losses.png").is_file()
     table = capsys.readouterr().out.strip().splitlines()
     assert table[-1].startswith("losses agree") and any(line.startswith("| moeblaze |") for line in table)
 
