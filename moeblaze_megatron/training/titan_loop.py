@@ -230,16 +230,21 @@ class TitanTrainer:
     def routed_experts(self) -> list[torch.nn.Module]:
         return [layer.moe.routed_experts for layer in self.model.layers.values()]
 
-    def close(self) -> None:
-        """Drop the model, its optimizer and any CUDA graph; free device memory."""
+    def release_cuda_graph(self) -> None:
+        """Free the captured step (its memory pool); later steps run eagerly."""
         if self.run.cuda_graphs and self.device.type == "cuda":
-            # This model's graph only: torchtitan's cudagraph_teardown() ends CUDA graphs for
-            # the whole process (its manager does not initialize again).
+            # Through the wrappers: torchtitan's cudagraph_teardown() ends CUDA graphs for the
+            # whole process (its manager does not initialize again).
             from torchtitan.distributed import cudagraph
 
             for wrapper in cudagraph._manager._wrappers:
                 wrapper.teardown()
             cudagraph._manager._wrappers.clear()
+            self.fwd_bwd = self._forward_backward
+
+    def close(self) -> None:
+        """Drop the model, its optimizer and any CUDA graph; free device memory."""
+        self.release_cuda_graph()
         self.model = self.optimizers = self.lr_schedulers = self.loss_fn = self.fwd_bwd = None
         gc.collect()
         if self.device.type == "cuda":

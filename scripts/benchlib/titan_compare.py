@@ -149,6 +149,9 @@ def search_micro_batch(trainer, budget_bytes, time_limit, progress, allocated_be
     import torch
 
     device = trainer.device
+    # The captured step's memory pool would stay reserved during the probes (the larger, stock's,
+    # the less room left): free it first.
+    trainer.release_cuda_graph()
     generator = torch.Generator().manual_seed(0)
     total = torch.cuda.get_device_properties(device).total_memory
     probes = []

@@ -50,14 +50,19 @@ def _compare(case, got, oracle, bar, label):
     return failures
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_layer_matches_the_oracle_as_stock_does(case):
+def _stock_and_oracle(case):
+    """The case's inputs, stock torchtitan's run, the oracle and stock's error on each field."""
     state = global_state(case, SEED)
     x, grad_y = layer_inputs(0, SEED)
     cfg = make_moe_config(case)
     stock = run_moe(cfg, state, x, grad_y)
     oracle = moe_oracle64(state, case, x, stock["ids"], grad_y)
-    stock_err = {name: rel_error(stock[name], want) for name, want in oracle.items()}
+    return cfg, state, x, grad_y, stock, oracle, {name: rel_error(stock[name], w) for name, w in oracle.items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layer_matches_the_oracle_as_stock_does(case):
+    cfg, state, x, grad_y, stock, oracle, stock_err = _stock_and_oracle(case)
     # The oracle is torchtitan's layer: stock meets it at its own precision on the output.
     assert stock_err["y"] <= REL_TOL[torch.bfloat16], stock_err
     failures = []
@@ -77,12 +82,7 @@ def test_layer_matches_the_oracle_as_stock_does(case):
 @pytest.mark.parametrize("case", ["softmax_top2", "skewed"])
 def test_fused_kernels_match_the_oracle(case):
     """The fused Triton kernels (interpreted on the CPU) behind the override, bf16 and fp32."""
-    state = global_state(case, SEED)
-    x, grad_y = layer_inputs(0, SEED)
-    cfg = make_moe_config(case)
-    stock = run_moe(cfg, state, x, grad_y)
-    oracle = moe_oracle64(state, case, x, stock["ids"], grad_y)
-    stock_err = {name: rel_error(stock[name], want) for name, want in oracle.items()}
+    cfg, state, x, grad_y, _, oracle, stock_err = _stock_and_oracle(case)
     failures = []
     for label, options, bar in (
         ("triton_bf16", dict(backend="triton"), lambda n: bf16_bar(stock_err[n])),
