@@ -22,9 +22,9 @@ from .memory_search import fits_in_memory, gc_free, largest_fitting
 DEFAULT_OUT = REPO / "runs" / "compare_torchtitan"  # git-ignored (/runs/)
 DEFAULTS = {
     "cpu": dict(family="tiny", seq_len=64, local_batch_size=4, steps=20, warmup=2, lr=3e-3, backend="reference",
-                search="none", cuda_graphs="off"),
+                search="none", cuda_graphs="off", time_budget=0.0),
     "cuda": dict(family="qwen3_moe", seq_len=4096, local_batch_size=2, steps=30, warmup=5, lr=3e-4, backend="auto",
-                 search="micro-batch", cuda_graphs="on"),
+                 search="micro-batch", cuda_graphs="on", time_budget=270.0),
 }
 
 
@@ -224,11 +224,15 @@ def _runs(args, device, cuda_graphs: bool):
                   seq_len=args.seq_len, steps=args.steps, lr=args.lr, warmup_steps=max(1, args.steps // 10),
                   seed=args.seed, activation_checkpoint=args.activation_checkpoint, cuda_graphs=cuda_graphs)
     options = {"backend": args.backend, "recompute": args.recompute}
-    return (("baseline", TitanRun(**common), 0.0), ("candidate", TitanRun(override=options, **common), 0.0),
-            ("control", TitanRun(**common), 1.0))
+    # The control before the candidate: the candidate's search, last, gets what the time budget
+    # leaves.
+    return (("baseline", TitanRun(**common), 0.0), ("control", TitanRun(**common), 1.0),
+            ("candidate", TitanRun(override=options, **common), 0.0))
 
 
-def compare(args, device, progress, cuda_graphs: bool) -> dict:
+def compare(args, device, progress, cuda_graphs: bool, partial: Path | None = None) -> dict:
+    """The three runs, the searches and the loss check; ``partial``: where the record so far is
+    written after each run (a run stopped by a time limit still leaves what it measured)."""
     import torch
 
     from moeblaze_megatron.training.titan_loop import TitanTrainer
@@ -257,12 +261,24 @@ def compare(args, device, progress, cuda_graphs: bool) -> dict:
                      f"{record['tokens_per_second']:,.0f} tokens/s, MoE saved {_mib(record['saved_moe_bytes'])} MiB"
                      + (f", peak {_mib(record['peak_memory_bytes'])} MiB" if "peak_memory_bytes" in record else ""))
         if args.search != "none" and name != "control":
-            progress(f"  searching the largest micro-batch within {args.memory_budget_gib:g} GiB "
-                     f"(at most {args.search_time_limit:g}s) ...")
-            result.setdefault("search", {"dimension": args.search})[name] = search_micro_batch(
-                trainer, int(args.memory_budget_gib * 2**30), args.search_time_limit, progress, allocated_before)
+            limit = args.search_time_limit
+            if args.time_budget:
+                # What the budget leaves, less a little for the runs and the report after it.
+                left = args.time_budget - (time.perf_counter() - progress.start)
+                limit = min(limit, left - (20 if name == "baseline" else 5))
+            if limit < 10:
+                progress(f"  no time left for the {run.label} search (--time-budget {args.time_budget:g}s)")
+                result.setdefault("search", {"dimension": args.search})[name] = {"largest_fitting": None,
+                                                                                 "skipped": "time budget"}
+            else:
+                progress(f"  searching the largest micro-batch within {args.memory_budget_gib:g} GiB "
+                         f"(at most {limit:.0f}s) ...")
+                result.setdefault("search", {"dimension": args.search})[name] = search_micro_batch(
+                    trainer, int(args.memory_budget_gib * 2**30), limit, progress, allocated_before)
         trainer.close()
         del trainer
+        if partial is not None:
+            partial.write_text(json.dumps(result, indent=1, default=str) + "\n")
     base, cand = result["runs"]["baseline"], result["runs"]["candidate"]
     # The model computes in bfloat16 (FSDP's mixed precision, GroupedExperts' casts).
     check = loss_check(base["losses"], cand["losses"], result["runs"]["control"]["losses"],
@@ -328,19 +344,21 @@ def run(args, command: str) -> int:
     progress(f"outputs go to {out}/")
     with single_process(device):
         graphs = args.cuda_graphs == "on" and device.type == "cuda"
+        out.mkdir(parents=True, exist_ok=True)
+        partial = out / "compare_torchtitan.partial.json"
         try:
-            result = compare(args, device, progress, graphs)
+            result = compare(args, device, progress, graphs, partial)
         except Exception as error:  # noqa: BLE001 - reported, then the eager comparison
             if not graphs:
                 raise
             progress(f"with CUDA graphs the comparison failed ({type(error).__name__}: {error}); "
                      "again with eager steps for every run")
             torch.cuda.empty_cache()
-            result = compare(args, device, progress, False)
+            result = compare(args, device, progress, False, partial)
             result["cuda_graphs_error"] = f"{type(error).__name__}: {error}"
     result["environment"] = environment(device, stand_in)
     result["command"] = command.strip()
-    out.mkdir(parents=True, exist_ok=True)
+    partial.unlink(missing_ok=True)
     (out / "compare_torchtitan.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     plot(out / "losses.png", result)
     progress(f"wrote {out / 'compare_torchtitan.json'} and losses.png (the loss overlay)")

@@ -6,8 +6,10 @@ closing table say so; the torch-2.11 stand-in for DataParallelMeshDims; the comm
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
+import torch
 from benchlib import titan_compare
 
 import compare_torchtitan
@@ -57,3 +59,41 @@ def test_command_line_errors(capsys):
         titan_compare.resolve(args)
     args = compare_torchtitan.parse_args(["--device", "cpu"])
     assert titan_compare.resolve(args).type == "cpu" and (args.family, args.backend) == ("tiny", "reference")
+
+
+def test_micro_batch_search_with_a_simulated_allocator(monkeypatch):
+    """search_micro_batch's bookkeeping on a stand-in device: 40 GiB of model plus 1 GiB per 1024
+    tokens under an 80 GiB budget fits micro-batches of 4096 tokens up to 10; the captured step is
+    freed first; the allocator cap is lifted afterwards."""
+    gib = 2**30
+    state = {"fraction": 1.0, "peak": 0, "released": False}
+    total = 140 * gib
+
+    class FakeTrainer:
+        device = torch.device("cuda", 0)
+        run = types.SimpleNamespace(local_batch_size=2, seq_len=4096, cuda_graphs=True)
+        optimizers = types.SimpleNamespace(zero_grad=lambda set_to_none: None)
+
+        def release_cuda_graph(self):
+            state["released"] = True
+
+        def random_batch(self, batch_size, seq_len, generator):
+            return batch_size, seq_len
+
+        def train_step(self, batch, eager):
+            assert eager and state["released"]
+            need = 40 * gib + batch[0] * batch[1] * gib // 1024
+            if need > state["fraction"] * total:
+                state["peak"] = int(state["fraction"] * total)
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            state["peak"] = max(state["peak"], need)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device: state.update(fraction=fraction))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: state.update(peak=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: state["peak"])
+    lines = []
+    found = titan_compare.search_micro_batch(FakeTrainer(), 80 * gib, 60.0, lines.append)
+    assert found["largest_fitting"] == 10 and found["smallest_failing"] == 11 and state["fraction"] == 1.0
+    assert all(p["fits"] == (p["value"] <= 10) for p in found["probes"]) and len(lines) == len(found["probes"])
