@@ -46,7 +46,6 @@ from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 
 from .config import MoEBlazeConfig
-from .fused import TritonMoEMLP
 from .moe_mlp import TRITON_DTYPES, check_moe_mlp_args, moe_mlp
 from .parallel.alltoall import plan_token_exchange
 from .parallel.ring import choose_ring, ring_moe
@@ -182,7 +181,10 @@ class MoEBlazeRoutedExperts(RoutedExperts):
                            self.options.backend, validate=False)
         triton = self.options.backend == "triton" or (
             self.options.backend == "auto" and x.is_cuda and x.dtype in TRITON_DTYPES)
-        function = TritonMoEMLP if triton else ReferenceMoEMLP
+        if triton:
+            from .fused import TritonMoEMLP as function  # imports Triton: only when the kernels run
+        else:
+            function = ReferenceMoEMLP
         return _SplitGateUpExperts.apply(function, x.dtype, x, scores, w1, w3, w2, plan, _ACTIVATION,
                                          self.options.recompute)
 
