@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_testing import TRITON_INTERPRETED, run_distributed
+from moe_testing import run_distributed
 from titan_testing import (
     CASES,
     NUM_EXPERTS,
@@ -75,9 +75,6 @@ def _ep_worker(rank, world_size, port):
                 state = global_state(case, seed=index)
                 x, grad_y = layer_inputs(rank, index)
                 cfg = make_moe_config(case, expert_parallel=True)
-                variants = dict(variants)
-                if world_size == 2 and backend == "spmd_types" and case == "softmax_top2" and TRITON_INTERPRETED:
-                    variants["triton_fp32"] = dict(backend="triton", expert_dtype="input")
                 runs = {label: run_moe(with_override(cfg, **options), state, x, grad_y, parallel_dims, context)
                         for label, options in variants.items()}
                 if backend == "partial_dtensor":
