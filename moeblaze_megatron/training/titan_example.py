@@ -6,8 +6,9 @@ built-in corpus (the Python standard library's source) with a byte tokenizer; no
         --override.imports moeblaze_megatron.torchtitan.moeblaze_experts
 
 Without ``--override.imports`` the same command trains stock torchtitan (same model, seed and
-data). ``--config tiny`` is the CPU-sized model of the tests. Every torchtitan flag applies
-(``--training.steps``, ``--training.seq_len``, ``--checkpoint.enable``, ...).
+data). ``--config tiny`` is the small model the tests parse (torchtitan's Trainer itself wants a
+GPU). Every torchtitan flag applies (``--training.steps``, ``--training.seq_len``,
+``--checkpoint.enable``, ...).
 
 The tokenizer and the dataloader are torchtitan components (``BaseTokenizer``,
 ``ParallelAwareDataloader``) over ``training.corpus``: bytes 0-255 and an end-of-document token
