@@ -18,8 +18,9 @@ import torch.nn.functional as F
 
 from moe_testing import REL_TOL, rel_error
 
-__all__ = ["CASES", "REL_TOL", "ORACLE_FIELDS", "bf16_bar", "cpu_device_meshes", "global_state", "make_moe_config",
-           "moe_oracle64", "rel_error", "run_moe", "titan_world", "with_override"]
+__all__ = ["BATCH", "CASES", "DIM", "HIDDEN", "NUM_EXPERTS", "REL_TOL", "SEQ", "bf16_bar", "cpu_device_meshes",
+           "expert_parallel_dims", "global_state", "layer_inputs", "make_moe_config", "moe_oracle64", "rel_error",
+           "run_moe", "titan_world", "with_override"]
 
 # Shapes off every tile: 2 x 37 tokens per rank, widths that torch._grouped_mm takes in bf16
 # (16-byte strides).
@@ -36,11 +37,6 @@ CASES = {
     "topk_all": dict(top_k=NUM_EXPERTS, score_func="softmax", route_norm=True),
     "skewed": dict(top_k=2, score_func="sigmoid", bias=[9.0, 8.0] + [0.0] * (NUM_EXPERTS - 2)),
 }
-
-# What run_moe returns and the oracle gives: the output, the input gradient and the gradients of
-# every parameter, by name.
-ORACLE_FIELDS = ("y", "dx")
-
 
 def bf16_bar(stock_error: float) -> float:
     """The bar for a bfloat16 path against the oracle: the dtype's bar, or twice what torchtitan's
