@@ -56,10 +56,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--search", choices=("none", "micro-batch"), help="GPU only; default micro-batch on GPU")
     p.add_argument("--memory-budget-gib", type=float, default=80.0)
-    p.add_argument("--search-time-limit", type=float, default=45.0, help="seconds of search per run")
+    p.add_argument("--search-time-limit", type=float, default=60.0, help="seconds of search per run at most")
     p.add_argument("--time-budget", type=float,
                    help="seconds the whole comparison should take: the searches get what the runs leave of it "
-                   "(default 270 on GPU, one device call; 0: no budget)")
+                   "(default 300 on GPU, one device call; 0: no budget)")
     p.add_argument("--out", help="output folder (default $OUT, else runs/compare_torchtitan/<family>-<cpu|gpu>)")
     args = p.parse_args(argv)
     for name in ("steps", "seq_len", "local_batch_size"):

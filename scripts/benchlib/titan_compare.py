@@ -24,7 +24,7 @@ DEFAULTS = {
     "cpu": dict(family="tiny", seq_len=64, local_batch_size=4, steps=20, warmup=2, lr=3e-3, backend="reference",
                 search="none", cuda_graphs="off", time_budget=0.0),
     "cuda": dict(family="qwen3_moe", seq_len=4096, local_batch_size=2, steps=30, warmup=5, lr=3e-4, backend="auto",
-                 search="micro-batch", cuda_graphs="on", time_budget=270.0),
+                 search="micro-batch", cuda_graphs="on", time_budget=300.0),
 }
 
 
