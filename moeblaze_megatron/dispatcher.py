@@ -36,7 +36,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from .config import RING_MODES, expert_tp_problem, get_moeblaze_config
 from .parallel.alltoall import prepare_send
 from .parallel.ring import group_mean_tokens
-from .parallel.volume import LayerTraffic, choose_mode
+from .parallel.volume import LayerTraffic, resolve_ep_mode
 from .routing import RoutingPlan, build_routing_plan
 
 __all__ = ["ExpertRouting", "MoEBlazeTokenDispatcher", "routing_map_to_topk"]
@@ -137,18 +137,12 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
     def _choose_mode(self, hidden_states, probs) -> str:
         if self.ep_size == 1:
             return "local"
-        if self.ep_mode == "alltoall":
-            return "alltoall"
-        if self.ep_mode == "ring":
-            return self.ring_mode
-        rings = RING_MODES if self.ring_mode == "auto" else (self.ring_mode,)
-        traffic = LayerTraffic(
+        return resolve_ep_mode(self.ep_mode, self.ring_mode, lambda: LayerTraffic(
             tokens=group_mean_tokens(hidden_states.shape[0], self.ep_group, hidden_states.device),
             hidden=hidden_states.shape[1], topk=self.topk, experts_per_rank=self.num_local_experts,
             ranks=self.ep_size, weight_numel=self.expert_weight_numel, dtype_bytes=hidden_states.element_size(),
             prob_bytes=probs.element_size(), weight_bytes=self.weight_bytes,
-        )
-        return choose_mode(("alltoall", *rings), traffic)
+        ))
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         """Top-k form of the routing and this forward's mode; in alltoall mode also the send

@@ -52,7 +52,7 @@ def moe_mlp(
     if x.shape[0] == 0:
         # Nothing routed; keep the graph connected so every input still gets a (zero) gradient.
         return x * 0 + 0 * (topk_probs.sum() + fc1_weight.sum() + fc2_weight.sum()).to(x.dtype)
-    if _resolved_backend(x, backend) == "triton":
+    if resolved_backend(x, backend) == "triton":
         from .fused import TritonMoEMLP  # imports Triton: only when the kernels run
 
         return TritonMoEMLP.apply(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute)
@@ -131,7 +131,9 @@ def check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activati
     return num_experts
 
 
-def _resolved_backend(x: torch.Tensor, backend: str) -> str:
+def resolved_backend(x: torch.Tensor, backend: str) -> str:
+    """The backend that runs for ``backend`` on ``x``: "auto" is "triton" for CUDA tensors of a
+    dtype the kernels take, "reference" otherwise."""
     if backend == "auto":
         return "triton" if x.is_cuda and x.dtype in TRITON_DTYPES else "reference"
     return backend
@@ -140,7 +142,7 @@ def _resolved_backend(x: torch.Tensor, backend: str) -> str:
 def expert_mlp_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation, backend, out_dtype=None):
     """One forward pass of the op, outside autograd and saving nothing (a ring hop's): ``y`` in
     ``out_dtype`` (x's by default). Arguments are checked by the caller."""
-    if _resolved_backend(x, backend) == "triton":
+    if resolved_backend(x, backend) == "triton":
         from .fused import fused_forward
 
         return fused_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation, save_pre=False,
@@ -152,7 +154,7 @@ def expert_mlp_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation, 
 def expert_mlp_backward(grad_y, x, topk_probs, fc1_weight, fc2_weight, plan, activation, backend, needs):
     """One backward pass of the op, recomputing the first GEMM (a ring hop's): ``(grad_x,
     grad_probs, grad_fc1, grad_fc2)``, None where ``needs`` (four bools) says so."""
-    if _resolved_backend(x, backend) == "triton":
+    if resolved_backend(x, backend) == "triton":
         from .fused import fused_backward
 
         return fused_backward(grad_y, x.contiguous(), plan.permute_probs(topk_probs.contiguous()), fc1_weight,

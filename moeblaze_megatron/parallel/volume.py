@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..config import RING_MODES
 
-__all__ = ["LayerTraffic", "MODES", "choose_mode", "hop_bytes", "received_rows", "step_bytes"]
+__all__ = ["LayerTraffic", "MODES", "choose_mode", "hop_bytes", "received_rows", "resolve_ep_mode", "step_bytes"]
 
 # Every way of running the experts across ranks, in the order ties are broken.
 MODES = ("alltoall", *RING_MODES)
@@ -107,3 +107,18 @@ def choose_mode(candidates, traffic: LayerTraffic) -> str:
         raise ValueError(f"candidates must be a non-empty list of {MODES}, got {list(candidates)!r}")
     ordered = [m for m in MODES if m in candidates]
     return min(ordered, key=lambda m: sum(step_bytes(m, traffic)))
+
+
+def resolve_ep_mode(ep_mode: str, ring_mode: str, traffic) -> str:
+    """What runs for the options ``ep_mode`` and ``ring_mode`` (``MoEBlazeConfig``'s): "alltoall",
+    a ring ("expert", "token", or "auto": the ring picks itself). ``traffic()`` gives the layer's
+    ``LayerTraffic``, asked for only by ``ep_mode="auto"`` (its token count must be one every rank
+    agrees on: ``ring.group_mean_tokens``)."""
+    if ep_mode == "alltoall":
+        return "alltoall"
+    if ep_mode == "ring":
+        return ring_mode
+    if ep_mode != "auto":
+        raise ValueError(f"ep_mode must be 'alltoall', 'ring' or 'auto', got {ep_mode!r}")
+    rings = RING_MODES if ring_mode == "auto" else (ring_mode,)
+    return choose_mode(("alltoall", *rings), traffic())

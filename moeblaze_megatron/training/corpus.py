@@ -87,3 +87,55 @@ def build_byte_dataset(output_prefix: str | Path, files: list[Path], max_bytes: 
 def dataset_exists(output_prefix: str | Path) -> bool:
     """Whether a complete dataset (.bin, .idx and the stats JSON written last) is at the prefix."""
     return all(Path(f"{output_prefix}{ext}").is_file() for ext in (".bin", ".idx", ".json"))
+
+
+class PackedSamples:
+    """Fixed-length training samples from the corpus, packed as torchtitan's text datasets pack
+    them: every document (its bytes, then EOD) is split into inputs ``tokens[:-1]`` and labels
+    ``tokens[1:]`` (a document's last token never predicts the next one's first), positions
+    restart at 0 with each document (torchtitan's block-causal masks and RoPE read them), and
+    the streams are cut into samples of ``seq_len``. Rank ``dp_rank`` of ``dp_world_size`` reads
+    documents ``dp_rank, dp_rank + dp_world_size, ...``; after the last document it starts over.
+    Deterministic; ``state_dict`` / ``load_state_dict`` resume mid-stream (checkpoints).
+    """
+
+    def __init__(self, files: list[Path], seq_len: int, dp_rank: int = 0, dp_world_size: int = 1):
+        if seq_len <= 0:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        if not 0 <= dp_rank < dp_world_size:
+            raise ValueError(f"dp_rank must be in [0, {dp_world_size}), got {dp_rank}")
+        self.files = files[dp_rank::dp_world_size]
+        if not self.files:
+            raise ValueError(f"no documents for data-parallel rank {dp_rank} of {dp_world_size}")
+        self.seq_len = seq_len
+        self.next_document = 0
+        self.buffers = [numpy.empty(0, dtype=numpy.int64) for _ in range(3)]
+
+    def _read_document(self) -> None:
+        tokens = encode_bytes(self.files[self.next_document % len(self.files)].read_bytes()).astype(numpy.int64)
+        self.next_document += 1
+        pieces = (tokens[:-1], tokens[1:], numpy.arange(tokens.size - 1, dtype=numpy.int64))
+        self.buffers = [numpy.concatenate([b, p]) for b, p in zip(self.buffers, pieces)]
+
+    def next_sample(self) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+        """(inputs, labels, positions), each ``seq_len`` int64 tokens."""
+        while self.buffers[0].size < self.seq_len:
+            self._read_document()
+        sample = [b[: self.seq_len] for b in self.buffers]
+        self.buffers = [b[self.seq_len :] for b in self.buffers]
+        positions = sample[2]
+        # A document continued from the previous sample starts at position 0 here too.
+        first = positions[0]
+        if first > 0:
+            restart = numpy.flatnonzero(positions == 0)
+            end = restart[0] if restart.size else positions.size
+            positions = positions.copy()
+            positions[:end] -= first
+        return sample[0], sample[1], positions
+
+    def state_dict(self) -> dict:
+        return {"next_document": self.next_document, "buffers": [b.tolist() for b in self.buffers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_document = state["next_document"]
+        self.buffers = [numpy.asarray(b, dtype=numpy.int64) for b in state["buffers"]]

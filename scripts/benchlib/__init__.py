@@ -18,6 +18,7 @@ megatron_checks      Megatron world, layer and GPTModel builders, equivalence ag
 ep_bench             expert parallelism under torchrun (bench_expert_parallel)
 memory_search        the largest micro-batch or sequence that fits a memory budget
 dispatcher_compare   stock against MoEBlaze training runs, loss check, resume check (compare_dispatchers)
+titan_compare        stock torchtitan against the override, one GPU or the CPU (compare_torchtitan)
 pretrain_hooks       the hooks Megatron's pretrain() calls for a GPT model (pretrain_gpt)
 
 Nothing is imported here: each module is imported on its own (routing_bench must stay free of

@@ -209,7 +209,6 @@ def train(trainer, label: str, steps: int, progress, save_at: int | None = None,
 
     record = {"dispatcher": trainer.run.dispatcher, "losses": [], "step_seconds": [], "tokens_per_step": None}
     cuda = trainer.device.type == "cuda"
-    report_every = max(1, steps // 6)
     for i in range(steps):
         if i == 0 and measure_saved:
             saved = SavedBytes(trainer.model)
@@ -217,20 +216,25 @@ def train(trainer, label: str, steps: int, progress, save_at: int | None = None,
             record["saved_activation_bytes"] = saved.total
         else:
             result = trainer.train_step()
-        record["losses"].append(result.loss)
-        record["step_seconds"].append(result.seconds)
-        record["tokens_per_step"] = result.tokens
-        if not math.isfinite(result.loss):
-            raise RuntimeError(f"{label}: loss is {result.loss} at step {trainer.iteration}")
+        record_step(record, result, label, i, steps, progress, trainer.iteration)
         if save_at is not None and trainer.iteration == save_at:
             trainer.save()
-        if (i + 1) % report_every == 0 or i + 1 == steps:
-            progress(f"  {label}: step {i + 1:4d}/{steps}  loss {result.loss:.4f}  "
-                     f"{result.seconds * 1e3:8.1f} ms/step")
     if cuda:
         # The model, its optimizer state and the training steps; not what earlier runs hold.
         record["peak_memory_bytes"] = torch.cuda.max_memory_allocated(trainer.device) - allocated_before
     return record
+
+
+def record_step(record: dict, result, label: str, index: int, steps: int, progress, iteration: int) -> None:
+    """Append step ``index``'s loss, time and tokens to ``record``; fail on a non-finite loss
+    (``iteration``: the trainer's step count, for the message); report six times a run."""
+    record["losses"].append(result.loss)
+    record["step_seconds"].append(result.seconds)
+    record["tokens_per_step"] = result.tokens
+    if not math.isfinite(result.loss):
+        raise RuntimeError(f"{label}: loss is {result.loss} at step {iteration}")
+    if (index + 1) % max(1, steps // 6) == 0 or index + 1 == steps:
+        progress(f"  {label}: step {index + 1:4d}/{steps}  loss {result.loss:.4f}  {result.seconds * 1e3:8.1f} ms/step")
 
 
 class SavedBytes:

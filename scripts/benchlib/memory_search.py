@@ -30,21 +30,13 @@ def search_memory(trainer, dimension: str, budget_bytes: int, time_limit: float,
 
     def fits(value: int) -> bool:
         mbs, seq = (value, base_seq) if dimension == "micro-batch" else (base_mbs, value)
-        gc_free()
-        torch.cuda.reset_peak_memory_stats(device)
         began = time.perf_counter()
-        ok = True
-        try:
+
+        def two_steps():
             for _ in range(2):
                 trainer.train_step(trainer.random_batches(mbs, seq, generator))
-        except torch.OutOfMemoryError:
-            ok = False
-        except RuntimeError as error:  # an allocation failing outside the caching allocator
-            if "out of memory" not in str(error):
-                raise
-            ok = False
-        peak = torch.cuda.max_memory_allocated(device) - allocated_before
-        ok = ok and peak <= budget_bytes
+
+        ok, peak = fits_in_memory(device, two_steps, budget_bytes, allocated_before)
         probes.append({"value": value, "tokens": mbs * seq, "fits": ok, "peak_bytes": peak,
                        "seconds": time.perf_counter() - began})
         progress(f"    {dimension} {value:6d} ({mbs * seq:7d} tokens): "
@@ -58,6 +50,27 @@ def search_memory(trainer, dimension: str, budget_bytes: int, time_limit: float,
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         gc_free()
     return {"dimension": dimension, "budget_bytes": budget_bytes, **found, "probes": probes}
+
+
+def fits_in_memory(device, run_steps, budget_bytes: int, allocated_before: int = 0) -> tuple[bool, int]:
+    """One memory probe: ``run_steps()`` from a fresh peak counter; returns (whether it fits: no
+    out-of-memory error and a peak within ``budget_bytes``, the peak in bytes beyond
+    ``allocated_before``)."""
+    import torch
+
+    gc_free()
+    torch.cuda.reset_peak_memory_stats(device)
+    ok = True
+    try:
+        run_steps()
+    except torch.OutOfMemoryError:
+        ok = False
+    except RuntimeError as error:  # an allocation failing outside the caching allocator
+        if "out of memory" not in str(error):
+            raise
+        ok = False
+    peak = torch.cuda.max_memory_allocated(device) - allocated_before
+    return ok and peak <= budget_bytes, peak
 
 
 def largest_fitting(fits, start: int, granule: int, cap: int, deadline: float) -> dict:

@@ -1,0 +1,370 @@
+"""torchtitan: train stock torchtitan and the MoEBlaze override from the same weights and data,
+and a control run (stock from weights moved by one bfloat16 ulp); compare step time, tokens/s,
+peak memory, the bytes the MoE layers save for backward, the largest micro-batch that fits a
+memory budget, and the loss curves against the measured rounding noise
+(scripts/compare_torchtitan.py says how).
+
+torch and torchtitan are imported by the functions, after ``install_fsdp_stand_in``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from .dispatcher_compare import REPO, Progress, _mib, loss_check, plot, record_step, summarize
+from .memory_search import fits_in_memory, gc_free, largest_fitting
+
+DEFAULT_OUT = REPO / "runs" / "compare_torchtitan"  # git-ignored (/runs/)
+DEFAULTS = {
+    "cpu": dict(family="tiny", seq_len=64, local_batch_size=4, steps=20, warmup=2, lr=3e-3, backend="reference",
+                search="none", cuda_graphs="off", time_budget=0.0),
+    "cuda": dict(family="qwen3_moe", seq_len=4096, local_batch_size=2, steps=30, warmup=5, lr=3e-4, backend="auto",
+                 search="micro-batch", cuda_graphs="on", time_budget=300.0),
+}
+
+
+def install_fsdp_stand_in() -> bool:
+    """torchtitan 0.3.0's model packages import ``torch.distributed.fsdp.DataParallelMeshDims``
+    (torch >= 2.12) for the type hints of its FSDP helpers; torch 2.11 lacks it. Where it is
+    missing, put a clearly named stand-in in its place that raises if anything constructs it:
+    on one GPU torchtitan never does (``resolve_fsdp_mesh`` passes None for a mesh of one,
+    ``resolve_sparse_fsdp_mesh`` returns None without EP), so a run that finishes used none.
+    Returns whether the stand-in was installed. Benchmark path only."""
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        return False
+
+    class DataParallelMeshDims:  # noqa: D401 - a stand-in, not torch's class
+        """STAND-IN (moeblaze benchmark) for torch >= 2.12's DataParallelMeshDims."""
+
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("the benchmark's stand-in for torch.distributed.fsdp.DataParallelMeshDims was "
+                               "constructed: this torch lacks the real one and this configuration needs it")
+
+    fsdp.DataParallelMeshDims = DataParallelMeshDims
+    return True
+
+
+def resolve(args):
+    """Fill the per-device defaults; returns the device."""
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    device = torch.device("cuda", torch.cuda.current_device()) if (
+        args.device != "cpu" and torch.cuda.is_available()) else torch.device("cpu")
+    for name, value in DEFAULTS[device.type].items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if device.type == "cpu" and args.search != "none":
+        raise SystemExit("--search needs a GPU (it measures the CUDA allocator's peak); use --search none")
+    if args.warmup >= args.steps:
+        raise SystemExit(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
+    return device
+
+
+class SavedForBackward:
+    """Bytes autograd saves for backward during one forward pass, parameters excluded (each
+    storage counted once, whole): in the whole model, and inside the routed experts of its MoE
+    layers. Parameters are recognized when a module above them starts its forward (FSDP's
+    unsharded copies exist only then)."""
+
+    def __init__(self, model, routed_experts):
+        self.model, self.routed_experts = model, routed_experts
+        self.total = self.moe = 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        import torch
+
+        params, everything, moe = set(), {}, {}
+        inside = [0]
+        handles = []
+        for module in self.model.modules():
+            # Every parameter below the module: a module may read a child's parameters without
+            # calling the child (the override reads GroupedExperts' weights).
+            handles.append(module.register_forward_pre_hook(lambda m, a: params.update(_storages(m.parameters()))))
+        for module in self.routed_experts:
+            handles.append(module.register_forward_pre_hook(lambda m, a: inside.__setitem__(0, inside[0] + 1)))
+            handles.append(module.register_forward_hook(lambda m, a, o: inside.__setitem__(0, inside[0] - 1)))
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key not in params:
+                everything[key] = storage.nbytes()
+                if inside[0]:
+                    moe[key] = storage.nbytes()
+            return tensor
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        # A storage first seen as an activation and later as a parameter is a parameter.
+        self.total = sum(v for k, v in everything.items() if k not in params)
+        self.moe = sum(v for k, v in moe.items() if k not in params)
+
+
+def _storages(tensors) -> set[int]:
+    """Data pointers of the tensors' storages, leaving out storages FSDP has freed (resharded)."""
+    out = set()
+    for tensor in tensors:
+        try:
+            out.add(tensor.untyped_storage().data_ptr())
+        except RuntimeError:  # "invalid python storage": no memory behind it now
+            pass
+    return out
+
+
+def train(trainer, label, steps, progress, measure_saved=True, allocated_before=0) -> dict:
+    import torch
+
+    record = {"dispatcher": trainer.run.label, "losses": [], "step_seconds": [], "tokens_per_step": None}
+    for i in range(steps):
+        if i == 0 and measure_saved:
+            saved = SavedForBackward(trainer.model, trainer.routed_experts())
+            result = trainer.train_step(forward_context=saved.counting)
+            record["saved_activation_bytes"] = saved.total
+            record["saved_moe_bytes"] = saved.moe
+        else:
+            result = trainer.train_step()
+        record_step(record, result, label, i, steps, progress, trainer.step)
+    if trainer.device.type == "cuda":
+        record["peak_memory_bytes"] = torch.cuda.max_memory_allocated(trainer.device) - allocated_before
+    return record
+
+
+def search_micro_batch(trainer, budget_bytes, time_limit, progress, allocated_before=0) -> dict:
+    """Largest micro-batch whose training steps stay within ``budget_bytes``: doubling then
+    bisection, two eager steps per probe on random tokens under an allocator cap at the budget."""
+    import torch
+
+    device = trainer.device
+    # The captured step's memory pool would stay reserved during the probes (the larger, stock's,
+    # the less room left): free it first.
+    trainer.release_cuda_graph()
+    generator = torch.Generator().manual_seed(0)
+    total = torch.cuda.get_device_properties(device).total_memory
+    probes = []
+
+    def fits(batch: int) -> bool:
+        began = time.perf_counter()
+
+        def two_steps():
+            for _ in range(2):
+                trainer.train_step(trainer.random_batch(batch, trainer.run.seq_len, generator), eager=True)
+
+        ok, peak = fits_in_memory(device, two_steps, budget_bytes, allocated_before)
+        trainer.optimizers.zero_grad(set_to_none=not trainer.run.cuda_graphs)
+        probes.append({"value": batch, "tokens": batch * trainer.run.seq_len, "fits": ok, "peak_bytes": peak,
+                       "seconds": time.perf_counter() - began})
+        progress(f"    micro-batch {batch:4d}: {'fits' if ok else 'does not fit'}, peak {peak / 2**30:6.1f} GiB")
+        return ok
+
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (budget_bytes + allocated_before) / total), device)
+    try:
+        found = largest_fitting(fits, trainer.run.local_batch_size, 1, 64 * trainer.run.local_batch_size,
+                                time.perf_counter() + time_limit)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        gc_free()
+    return {"dimension": "micro-batch", "budget_bytes": budget_bytes, **found, "probes": probes}
+
+
+def gate_up_concat_seconds(trainer, repeats: int = 20) -> float | None:
+    """Seconds a step spends stacking [w1 | w3] for the op (forward and backward, every layer),
+    measured on this model's weights: the cost of keeping torchtitan's parameters as they are."""
+    import torch
+
+    if trainer.device.type != "cuda":
+        return None
+    layers = trainer.routed_experts()
+    w1, w3 = (getattr(layers[0].inner_experts, n) for n in ("w1_EFD", "w3_EFD"))
+    w1, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (w1, w3))
+    w1, w3 = w1.detach().bfloat16(), w3.detach().bfloat16()
+    torch.cat([w1, w3], dim=1)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.cat([w1, w3], dim=1)
+    torch.cuda.synchronize()
+    return 2 * len(layers) * (time.perf_counter() - start) / repeats
+
+
+def environment(device, stand_in: bool) -> dict:
+    import torch
+    import torchtitan
+
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "torchtitan": getattr(torchtitan, "__version__", "?"), "device": str(device),
+            "fsdp_DataParallelMeshDims_stand_in": stand_in}
+    if device.type == "cuda":
+        import triton
+
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["triton"] = triton.__version__
+    else:
+        info["cpu_threads"] = torch.get_num_threads()
+    return info
+
+
+def _runs(args, device, cuda_graphs: bool):
+    from moeblaze_megatron.training.titan_loop import TitanRun
+
+    common = dict(family=args.family, attention=args.attention, local_batch_size=args.local_batch_size,
+                  seq_len=args.seq_len, steps=args.steps, lr=args.lr, warmup_steps=max(1, args.steps // 10),
+                  seed=args.seed, activation_checkpoint=args.activation_checkpoint, cuda_graphs=cuda_graphs)
+    options = {"backend": args.backend, "recompute": args.recompute}
+    # The control before the candidate: the candidate's search, last, gets what the time budget
+    # leaves.
+    return (("baseline", TitanRun(**common), 0.0), ("control", TitanRun(**common), 1.0),
+            ("candidate", TitanRun(override=options, **common), 0.0))
+
+
+def compare(args, device, progress, cuda_graphs: bool, partial: Path | None = None) -> dict:
+    """The three runs, the searches and the loss check; ``partial``: where the record so far is
+    written after each run (a run stopped by a time limit still leaves what it measured)."""
+    import torch
+
+    from moeblaze_megatron.training.titan_loop import TitanTrainer
+
+    result = {"config": {**vars(args), "cuda_graphs_used": cuda_graphs}, "runs": {}}
+    initial_state = None
+    for name, run, ulps in _runs(args, device, cuda_graphs):
+        label = run.label + (" control (weights +-1 bf16 ulp)" if ulps else "")
+        progress(f"{name}: building {args.family} with {run.label} experts ...")
+        allocated_before = 0
+        if device.type == "cuda":
+            gc_free()
+            allocated_before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        trainer = TitanTrainer(run, device, initial_state=initial_state, perturb_ulps=ulps)
+        if initial_state is None:
+            initial_state = trainer.full_state()
+        record = train(trainer, label, args.steps, progress, measure_saved=name != "control",
+                       allocated_before=allocated_before)
+        summarize(record, args.warmup)
+        result["runs"][name] = record
+        if name == "candidate":
+            record["gate_up_concat_seconds_per_step"] = gate_up_concat_seconds(trainer)
+        if name != "control":
+            progress(f"  {run.label}: median {record['median_step_seconds'] * 1e3:.1f} ms/step, "
+                     f"{record['tokens_per_second']:,.0f} tokens/s, MoE saved {_mib(record['saved_moe_bytes'])} MiB"
+                     + (f", peak {_mib(record['peak_memory_bytes'])} MiB" if "peak_memory_bytes" in record else ""))
+        if args.search != "none" and name != "control":
+            limit = args.search_time_limit
+            if args.time_budget:
+                # What the budget leaves, less a little for the runs and the report after it.
+                left = args.time_budget - (time.perf_counter() - progress.start)
+                limit = min(limit, left - (20 if name == "baseline" else 5))
+            if limit < 10:
+                progress(f"  no time left for the {run.label} search (--time-budget {args.time_budget:g}s)")
+                result.setdefault("search", {"dimension": args.search})[name] = {"largest_fitting": None,
+                                                                                 "skipped": "time budget"}
+            else:
+                progress(f"  searching the largest micro-batch within {args.memory_budget_gib:g} GiB "
+                         f"(at most {limit:.0f}s) ...")
+                result.setdefault("search", {"dimension": args.search})[name] = search_micro_batch(
+                    trainer, int(args.memory_budget_gib * 2**30), limit, progress, allocated_before)
+        trainer.close()
+        del trainer
+        if partial is not None:
+            partial.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    base, cand = result["runs"]["baseline"], result["runs"]["candidate"]
+    # The model computes in bfloat16 (FSDP's mixed precision, GroupedExperts' casts).
+    check = loss_check(base["losses"], cand["losses"], result["runs"]["control"]["losses"],
+                       torch.finfo(torch.bfloat16).eps / 2, base["tokens_per_step"])
+    result["loss_check"] = check
+    ratios = {"step_time_speedup": base["median_step_seconds"] / cand["median_step_seconds"],
+              "moe_saved_ratio": cand["saved_moe_bytes"] / max(1, base["saved_moe_bytes"]),
+              "saved_activation_ratio": cand["saved_activation_bytes"] / max(1, base["saved_activation_bytes"])}
+    if base.get("peak_memory_bytes"):
+        ratios["peak_memory_ratio"] = cand["peak_memory_bytes"] / base["peak_memory_bytes"]
+    search = result.get("search")
+    if search and search["baseline"]["largest_fitting"] and search["candidate"]["largest_fitting"]:
+        ratios["micro_batch_ratio"] = search["candidate"]["largest_fitting"] / search["baseline"]["largest_fitting"]
+    result["ratios"] = ratios
+    return result
+
+
+def table(result: dict) -> str:
+    """The short table printed last."""
+    runs, ratios, check = result["runs"], result["ratios"], result["loss_check"]
+    search = result.get("search")
+    lines = [f"torchtitan {result['environment']['torchtitan']} {result['config']['family']} on "
+             f"{result['environment'].get('gpu', result['environment']['device'])}, "
+             f"{result['config']['local_batch_size']} x {result['config']['seq_len']} tokens, "
+             f"cuda graphs {'on' if result['config']['cuda_graphs_used'] else 'off'}, "
+             f"attention {result['config']['attention']}, AC {result['config']['activation_checkpoint']}",
+             "| run | median step ms | tokens/s | peak MiB | MoE saved MiB | model saved MiB | largest micro-batch |",
+             "|---|---|---|---|---|---|---|"]
+    for name in ("baseline", "candidate"):
+        r = runs[name]
+        largest = search[name]["largest_fitting"] if search else "-"
+        lines.append(f"| {r['dispatcher']} | {r['median_step_seconds'] * 1e3:.1f} | {r['tokens_per_second']:,.0f} | "
+                     f"{_mib(r.get('peak_memory_bytes'))} | {_mib(r['saved_moe_bytes'])} | "
+                     f"{_mib(r['saved_activation_bytes'])} | {largest} |")
+    lines.append(f"step time {ratios['step_time_speedup']:.2f}x stock (goal >= 1.3); MoE saved for backward "
+                 f"{ratios['moe_saved_ratio']:.2f}x (goal <= 0.5)"
+                 + (f"; peak {ratios['peak_memory_ratio']:.2f}x" if "peak_memory_ratio" in ratios else "")
+                 + (f"; largest micro-batch {ratios['micro_batch_ratio']:.2f}x (goal >= 1.5)"
+                    if "micro_batch_ratio" in ratios else ""))
+    concat = runs["candidate"].get("gate_up_concat_seconds_per_step")
+    if concat is not None:
+        lines.append(f"[w1 | w3] stacking: {concat * 1e3:.2f} ms of each step")
+    lines.append(f"losses {'agree' if check['passed'] else 'DIVERGE'}: worst |moeblaze - stock| / tolerance = "
+                 f"{check['worst_diff_over_tolerance']:.2f} over {len(check['steps'])} steps")
+    return "\n".join(lines)
+
+
+def run(args, command: str) -> int:
+    """The comparison of parsed arguments (compare_torchtitan.py's); JSON under --out (default
+    $OUT, else runs/compare_torchtitan/<family>-<cpu|gpu>); the exit status."""
+    progress = Progress()
+    progress("importing torch and torchtitan ...")
+    stand_in = install_fsdp_stand_in()
+    if stand_in:
+        progress("torch lacks torch.distributed.fsdp.DataParallelMeshDims: a stand-in that raises if used is "
+                 "in its place (benchmark path only)")
+    import torch
+
+    from moeblaze_megatron.training.titan_loop import single_process
+
+    device = resolve(args)
+    out = Path(args.out or os.environ.get("OUT") or DEFAULT_OUT / f"{args.family}-{'gpu' if device.type == 'cuda' else 'cpu'}")
+    progress(f"outputs go to {out}/")
+    with single_process(device):
+        graphs = args.cuda_graphs == "on" and device.type == "cuda"
+        out.mkdir(parents=True, exist_ok=True)
+        partial = out / "compare_torchtitan.partial.json"
+        try:
+            result = compare(args, device, progress, graphs, partial)
+        except Exception as error:  # noqa: BLE001 - reported, then the eager comparison
+            if not graphs:
+                raise
+            progress(f"with CUDA graphs the comparison failed ({type(error).__name__}: {error}); "
+                     "again with eager steps for every run")
+            torch.cuda.empty_cache()
+            result = compare(args, device, progress, False, partial)
+            result["cuda_graphs_error"] = f"{type(error).__name__}: {error}"
+    result["environment"] = environment(device, stand_in)
+    result["command"] = command.strip()
+    partial.unlink(missing_ok=True)
+    (out / "compare_torchtitan.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    plot(out / "losses.png", result)
+    progress(f"wrote {out / 'compare_torchtitan.json'} and losses.png (the loss overlay)")
+    print()
+    print(table(result), flush=True)
+    if not result["loss_check"]["passed"]:
+        print("FAILED: losses diverge beyond rounding noise", flush=True)
+        return 1
+    return 0

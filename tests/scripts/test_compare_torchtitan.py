@@ -1,0 +1,99 @@
+"""compare_torchtitan.py on the CPU (the tiny model, the reference backend, a few steps): stock,
+MoEBlaze and the control train from the same weights and data through torchtitan's pieces, the
+losses agree within the measured noise, the MoE layers save less for backward, the JSON and the
+closing table say so; the torch-2.11 stand-in for DataParallelMeshDims; the command line."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+from benchlib import titan_compare
+
+import compare_torchtitan
+
+
+def test_cpu_comparison(tmp_path, capsys):
+    status = compare_torchtitan.main(["--device", "cpu", "--steps", "5", "--warmup", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "compare_torchtitan.json").read_text())
+    assert status == 0 and result["loss_check"]["passed"], result["loss_check"]
+    runs = result["runs"]
+    assert [runs[n]["dispatcher"] for n in ("baseline", "candidate")] == ["stock", "moeblaze"]
+    # Same weights and data: the first losses agree to rounding, later ones within the bound.
+    assert abs(runs["candidate"]["losses"][0] - runs["baseline"]["losses"][0]) <= 1e-2 * runs["baseline"]["losses"][0]
+    assert all(len(runs[n]["losses"]) == 5 for n in runs)
+    # The override's MoE layers keep the floor: per layer the bf16 input and pre-activations
+    # (2Td + 4TKh bytes) plus O(T*K) indices; stock keeps its routed copies.
+    T, d, h, K, layers = 4 * 64, 64, 32, 2, 2
+    floor = layers * (1.05 * (2 * T * d + 4 * T * K * h) + 16 * T * K + 4 * 9)
+    assert 0 < runs["candidate"]["saved_moe_bytes"] <= floor < runs["baseline"]["saved_moe_bytes"]
+    assert result["ratios"]["moe_saved_ratio"] < 1 and result["config"]["cuda_graphs_used"] is False
+    assert result["environment"]["torchtitan"] == "0.3.0" and (tmp_path / "losses.png").is_file()
+    table = capsys.readouterr().out.strip().splitlines()
+    assert table[-1].startswith("losses agree") and any(line.startswith("| moeblaze |") for line in table)
+
+
+def test_stand_in_for_a_missing_data_parallel_mesh_dims(monkeypatch):
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        monkeypatch.delattr(fsdp, "DataParallelMeshDims")
+        assert titan_compare.install_fsdp_stand_in() is True
+        with pytest.raises(RuntimeError, match="stand-in for torch.distributed.fsdp.DataParallelMeshDims"):
+            fsdp.DataParallelMeshDims(shard="dp_shard")
+    # Where torch has it, nothing is replaced.
+    monkeypatch.setattr(fsdp, "DataParallelMeshDims", object, raising=False)
+    assert titan_compare.install_fsdp_stand_in() is False and fsdp.DataParallelMeshDims is object
+
+
+def test_command_line_errors(capsys):
+    for argv, message in ((["--seq-len", "60"], "multiple of 8"), (["--steps", "2"], "at least 4"),
+                          (["--local-batch-size", "0"], "must be positive")):
+        with pytest.raises(SystemExit):
+            compare_torchtitan.parse_args(argv)
+        assert message in capsys.readouterr().err
+    args = compare_torchtitan.parse_args(["--device", "cpu", "--search", "micro-batch"])
+    with pytest.raises(SystemExit, match="--search needs a GPU"):
+        titan_compare.resolve(args)
+    args = compare_torchtitan.parse_args(["--device", "cpu"])
+    assert titan_compare.resolve(args).type == "cpu" and (args.family, args.backend) == ("tiny", "reference")
+
+
+def test_micro_batch_search_with_a_simulated_allocator(monkeypatch):
+    """search_micro_batch's bookkeeping on a stand-in device: 40 GiB of model plus 1 GiB per 1024
+    tokens under an 80 GiB budget fits micro-batches of 4096 tokens up to 10; the captured step is
+    freed first; the allocator cap is lifted afterwards."""
+    gib = 2**30
+    state = {"fraction": 1.0, "peak": 0, "released": False}
+    total = 140 * gib
+
+    class FakeTrainer:
+        device = torch.device("cuda", 0)
+        run = types.SimpleNamespace(local_batch_size=2, seq_len=4096, cuda_graphs=True)
+        optimizers = types.SimpleNamespace(zero_grad=lambda set_to_none: None)
+
+        def release_cuda_graph(self):
+            state["released"] = True
+
+        def random_batch(self, batch_size, seq_len, generator):
+            return batch_size, seq_len
+
+        def train_step(self, batch, eager):
+            assert eager and state["released"]
+            need = 40 * gib + batch[0] * batch[1] * gib // 1024
+            if need > state["fraction"] * total:
+                state["peak"] = int(state["fraction"] * total)
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            state["peak"] = max(state["peak"], need)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device: state.update(fraction=fraction))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: state.update(peak=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: state["peak"])
+    lines = []
+    found = titan_compare.search_micro_batch(FakeTrainer(), 80 * gib, 60.0, lines.append)
+    assert found["largest_fitting"] == 10 and found["smallest_failing"] == 11 and state["fraction"] == 1.0
+    assert all(p["fits"] == (p["value"] <= 10) for p in found["probes"]) and len(lines) == len(found["probes"])
