@@ -48,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--backend", choices=("auto", "triton", "reference"),
                    help="the override's backend; default auto on GPU, reference on CPU")
     p.add_argument("--recompute", choices=("activation", "fc1"), default="activation")
+    p.add_argument("--count-saved", choices=("on", "off"), default="on",
+                   help="count the bytes saved for backward in the first step (saved-tensor hooks around its forward)")
     p.add_argument("--steps", type=int)
     p.add_argument("--warmup", type=int, help="first steps left out of the step-time median")
     p.add_argument("--seq-len", type=int)

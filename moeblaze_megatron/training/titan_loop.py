@@ -188,12 +188,13 @@ class TitanTrainer:
         tokens = torch.randint(0, 256, (batch_size, seq_len + 1), generator=generator)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), torch.arange(seq_len).expand(batch_size, -1)
 
-    def _forward_backward(self, inputs, labels, global_valid_tokens, extra):
+    def _forward_backward(self, inputs, labels, global_valid_tokens, extra, forward_context=contextlib.nullcontext):
         # torchtitan's Trainer._forward_backward_body.
         with self.context():
-            pred = self.model(inputs, **extra)
-            loss, _ = self.loss_fn(pred, labels, global_valid_tokens, positions=extra["positions"])
-            del pred
+            with forward_context():
+                pred = self.model(inputs, **extra)
+                loss, _ = self.loss_fn(pred, labels, global_valid_tokens, positions=extra["positions"])
+                del pred
             with spmd.no_typecheck():
                 loss.backward()
         return loss
@@ -201,7 +202,7 @@ class TitanTrainer:
     def train_step(self, batch=None, *, eager: bool = False, forward_context=None) -> StepResult:
         """One optimizer step on ``batch`` (default: the corpus's next batch). ``eager``: bypass
         the CUDA graph (a batch of another shape); ``forward_context``: a context manager entered
-        around the forward and backward (also eager)."""
+        around the forward and the loss, left before the backward (also eager)."""
         inputs, labels, positions = self.next_batch() if batch is None else batch
         self._synchronize()
         start = time.perf_counter()
@@ -213,8 +214,7 @@ class TitanTrainer:
             extra["attention_masks"] = self.model.get_attention_masks(positions=positions)
         inputs, labels, extra = annotate_input_spmd_types(self.parallel_dims, inputs, labels, extra)
         if forward_context is not None:
-            with forward_context():
-                loss = self._forward_backward(inputs, labels, global_valid_tokens, extra)
+            loss = self._forward_backward(inputs, labels, global_valid_tokens, extra, forward_context)
         elif eager:
             loss = self._forward_backward(inputs, labels, global_valid_tokens, extra)
         else:

@@ -122,6 +122,8 @@ class MegatronSequential(Impl):
             moe_token_dispatcher_type="alltoall", gated_linear_unit=activation == "swiglu",
             activation_func=F.gelu if activation == "gelu" else F.silu, add_bias_linear=False,
             bf16=fc1.dtype == torch.bfloat16, params_dtype=fc1.dtype, moe_aux_loss_coeff=0.0,
+            # Megatron refuses top-1 without it; the router never runs here (routing given).
+            moe_router_pre_softmax=topk == 1,
             perform_initialization=False, **self.config_fields(fc1),
         )
         spec = self.layer_spec(E)

@@ -96,7 +96,12 @@ class SavedForBackward:
 
         def pack(tensor):
             storage = tensor.untyped_storage()
-            key = storage.data_ptr()
+            try:
+                key = storage.data_ptr()
+            except RuntimeError:
+                # No memory behind it now (a parameter FSDP resharded, saved again as backward
+                # unshards it): nothing kept.
+                return tensor
             if key not in params:
                 everything[key] = storage.nbytes()
                 if inside[0]:
@@ -250,7 +255,7 @@ def compare(args, device, progress, cuda_graphs: bool, partial: Path | None = No
         trainer = TitanTrainer(run, device, initial_state=initial_state, perturb_ulps=ulps)
         if initial_state is None:
             initial_state = trainer.full_state()
-        record = train(trainer, label, args.steps, progress, measure_saved=name != "control",
+        record = train(trainer, label, args.steps, progress, measure_saved=name != "control" and args.count_saved == "on",
                        allocated_before=allocated_before)
         summarize(record, args.warmup)
         result["runs"][name] = record

@@ -208,13 +208,17 @@ def test_te_checks_run_on_the_stand_ins(monkeypatch):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        # As the TE spec does: TEGroupedMLP experts only where the config asks for grouped GEMMs.
         layers = [dataclasses.replace(s, submodules=dataclasses.replace(
-            s.submodules, mlp=with_te_grouped_experts(s.submodules.mlp))) for s in block.layer_specs]
+            s.submodules, mlp=with_te_grouped_experts(s.submodules.mlp) if config.moe_grouped_gemm else s.submodules.mlp))
+            for s in block.layer_specs]
         block = with_core_attention(dataclasses.replace(block, layer_specs=layers), SDPAttention)
         return GPTModel(config=config, transformer_layer_spec=block, vocab_size=vocab, max_sequence_length=seq,
                         position_embedding_type="rope").to(config.params_dtype)
 
-    monkeypatch.setattr(te_checks, "te_fields", lambda stock, router_fusion: {})
+    # TE's fused options off (they need TE), the stock form's grouped GEMMs kept: its spec names
+    # TEGroupedMLP, as on the GPU.
+    monkeypatch.setattr(te_checks, "te_fields", lambda stock, router_fusion: {"moe_grouped_gemm": True} if stock else {})
     monkeypatch.setattr(te_checks, "build_te_layer", lambda config, device: build_te_moe_layer(config))
     monkeypatch.setattr(te_checks, "build_te_gpt", gpt_builder)
     shape = megatron_checks.SMOKE_LAYER_SHAPES["qwen3-like"]
