@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from .config import RING_MODES, expert_tp_problem, get_moeblaze_config
+from .config import RING_CHOICES, expert_tp_problem, get_moeblaze_config
 from .parallel.alltoall import prepare_send
 from .parallel.ring import group_mean_tokens
 from .parallel.volume import LayerTraffic, resolve_ep_mode
@@ -132,7 +132,7 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
 
     @property
     def ring(self) -> bool:
-        return self.mode in ("auto", *RING_MODES)
+        return self.mode in RING_CHOICES
 
     def _choose_mode(self, hidden_states, probs) -> str:
         if self.ep_size == 1:

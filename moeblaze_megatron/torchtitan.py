@@ -164,8 +164,7 @@ class MoEBlazeRoutedExperts(RoutedExperts):
             return self._run_local(x, scores, ids, w1, w3, w2)
         ranks = dist.get_world_size(self.ep_group)
         mode = resolve_ep_mode(self.options.ep_mode, self.options.ring_mode, lambda: layer_traffic(
-            group_mean_tokens(x.shape[0], self.ep_group, x.device), x, scores, torch.cat([w1, w3], dim=1), w2,
-            ranks))
+            group_mean_tokens(x.shape[0], self.ep_group, x.device), x, scores, (w1, w3, w2), ranks))
         if mode == "alltoall":
             return self._run_alltoall(x, scores, ids, w1, w3, w2)
         return self._run_ring(x, scores, ids, w1, w3, w2, mode)

@@ -57,13 +57,13 @@ def group_mean_tokens(num_tokens: int, group, device) -> float:
     return torch.cat(every).sum().item() / len(every)
 
 
-def layer_traffic(tokens: float, x, topk_probs, fc1_weight, fc2_weight, ranks: int) -> LayerTraffic:
-    """The layer's shapes for ``parallel.volume``: ``tokens`` per rank, the rest from the tensors
-    (this rank's experts)."""
+def layer_traffic(tokens: float, x, topk_probs, weights, ranks: int) -> LayerTraffic:
+    """The layer's shapes for ``parallel.volume``: ``tokens`` per rank, the rest from the tensors;
+    ``weights``: this rank's expert weights (fc1 and fc2, or any split of them), expert-major."""
     return LayerTraffic(tokens=tokens, hidden=x.shape[-1], topk=topk_probs.shape[-1],
-                        experts_per_rank=fc1_weight.shape[0], ranks=ranks,
-                        weight_numel=fc1_weight.numel() + fc2_weight.numel(), dtype_bytes=x.element_size(),
-                        prob_bytes=topk_probs.element_size(), weight_bytes=fc1_weight.element_size())
+                        experts_per_rank=weights[0].shape[0], ranks=ranks,
+                        weight_numel=sum(w.numel() for w in weights), dtype_bytes=x.element_size(),
+                        prob_bytes=topk_probs.element_size(), weight_bytes=weights[0].element_size())
 
 
 def ring_moe(x, topk_ids, topk_probs, fc1_weight, fc2_weight, group, *, mode: str = "auto",
@@ -218,7 +218,7 @@ class _RingMoE(torch.autograd.Function):
             sizes = ring.sizes(topk_ids, experts)
         if mode == "auto":
             tokens = sum(row[0] for row in sizes) / ring.size
-            mode = choose_mode(RING_MODES, layer_traffic(tokens, x, topk_probs, fc1_weight, fc2_weight, ring.size))
+            mode = choose_mode(RING_MODES, layer_traffic(tokens, x, topk_probs, (fc1_weight, fc2_weight), ring.size))
         weights = (fc1_weight.detach(), fc2_weight.detach())
         run = _expert_forward if mode == "expert" else _token_forward
         y = run(ring, sizes, x.detach(), topk_ids, topk_probs.detach(), weights, activation, backend, method)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import RING_MODES
+from ..config import EP_MODES, RING_MODES
 
 __all__ = ["LayerTraffic", "MODES", "choose_mode", "hop_bytes", "received_rows", "resolve_ep_mode", "step_bytes"]
 
@@ -119,6 +119,6 @@ def resolve_ep_mode(ep_mode: str, ring_mode: str, traffic) -> str:
     if ep_mode == "ring":
         return ring_mode
     if ep_mode != "auto":
-        raise ValueError(f"ep_mode must be 'alltoall', 'ring' or 'auto', got {ep_mode!r}")
+        raise ValueError(f"ep_mode must be one of {EP_MODES}, got {ep_mode!r}")
     rings = RING_MODES if ring_mode == "auto" else (ring_mode,)
     return choose_mode(("alltoall", *rings), traffic())
