@@ -21,7 +21,9 @@ runs/compare_torchtitan/<family>-<cpu|gpu>), and exits non-zero if the losses di
 
 On torch 2.11, which lacks ``torch.distributed.fsdp.DataParallelMeshDims`` (torch >= 2.12; only
 type hints of torchtitan's FSDP helpers name it on one GPU), a stand-in that raises if it is
-ever constructed takes its place (benchmark path only; recorded in the JSON).
+ever constructed takes its place (benchmark path only; recorded in the JSON), and every run uses
+the plain loss (``--loss auto``): there stock torchtitan's chunked loss stops in its first
+backward.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ def parse_args(argv=None):
     p.add_argument("--backend", choices=("auto", "triton", "reference"),
                    help="the override's backend; default auto on GPU, reference on CPU")
     p.add_argument("--recompute", choices=("activation", "fc1"), default="activation")
+    p.add_argument("--loss", choices=("auto", "chunked", "plain"), default="auto",
+                   help="every run's loss: torchtitan's chunked loss (its Qwen3 configs') or the plain cross "
+                   "entropy over whole logits; auto: chunked on torch >= 2.12, plain before (torch 2.11's FSDP2 "
+                   "cannot train the chunked loss: training.titan_loop.default_loss)")
     p.add_argument("--count-saved", choices=("on", "off"), default="on",
                    help="count the bytes saved for backward in the first step (saved-tensor hooks around its forward)")
     p.add_argument("--steps", type=int)

@@ -16,7 +16,9 @@
 # times one hop of the expert-parallel ring at the memory model's shapes (bench_ring_hop); "tune"
 # times the six GEMMs config by config, TUNE_ARGS adds tune_kernels.py flags; LAYER_CONFIGS,
 # LAYER_ACTS, LAYER_IMPLS and LAYER_FLAGS (default --profile) shape the layer step; "power" runs
-# scripts/power_probe.py --kernels on POWER_CONFIGS and POWER_IMPLS). Every step's whole output
+# scripts/power_probe.py --kernels on POWER_CONFIGS and POWER_IMPLS; "titan" trains stock torchtitan
+# 0.3.0 and the override side by side, scripts/compare_torchtitan.py with TITAN_FLAGS, ~5 minutes,
+# torchtitan's wheels in .whl). Every step's whole output
 # is kept as $out/STEP.log. Results go to $OUT (default benchmarks/results/latest).
 #
 # Transformer Engine steps (issue 23; TE must already be in /tmp/site: ../shared/tools/te-device.sh's
@@ -34,7 +36,7 @@
 #   te_compare  per family: compare_dispatchers.py --baseline alltoall_te with that variant (TE_VARIANT
 #               overrides; default te), TE_STEPS (500) steps, the control repeating moeblaze
 #               (TE_CONTROL), micro-batch search of TE_SEARCH_S (45) s per dispatcher, TE_COMPARE_FLAGS
-#               appended; about 7-8 minutes per family: one per call. The resume check (a TE stock
+#               appended; 5.5-6.5 minutes per family on the H200: one per call. The resume check (a TE stock
 #               checkpoint resumed under both dispatchers through Megatron's save/load_checkpoint,
 #               tiny model, ~1 minute) runs for TE_RESUME_FAMILY only (default none: te_check already
 #               moves torch_dist checkpoints both ways)
@@ -47,8 +49,8 @@ export PYTHONUNBUFFERED=1
 steps=" ${STEPS:-tests megatron routing layer silu} "
 for name in $steps; do
   case $name in
-    tests|megatron|routing|ring|tune|power|layer|silu|te_check|te_layer|te_select|te_compare) ;;
-    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing ring tune power layer silu" \
+    tests|megatron|routing|ring|tune|power|layer|silu|titan|te_check|te_layer|te_select|te_compare) ;;
+    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing ring tune power layer silu titan" \
          "te_check te_layer te_select te_compare"; exit 1 ;;
   esac
 done
@@ -90,6 +92,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv,noh
 # shellcheck disable=SC2086  # TESTS_PATHS is a list of paths
 step tests "${TESTS_S:-360}" 6 python3 -m pytest ${TESTS_PATHS:-tests/gpu} -q -x -p no:cacheprovider
 step megatron "${MEGATRON_S:-120}" 32 python3 scripts/gpu_megatron_check.py --out "$out/gpu_megatron_check.json"
+# shellcheck disable=SC2086  # TITAN_FLAGS is a list of flags
+step titan "${TITAN_S:-330}" 16 python3 scripts/compare_torchtitan.py --out "$out/compare_torchtitan" ${TITAN_FLAGS:-}
 step routing "${ROUTING_S:-60}" 24 python3 scripts/bench_routing.py --quick --out "$out/bench_routing_quick.json"
 step ring "${RING_S:-420}" 80 python3 scripts/bench_ring_hop.py --out "$out"
 # shellcheck disable=SC2086  # TUNE_ARGS is a list of flags

@@ -8,9 +8,9 @@ torchtitan's own pieces: the model config and its sharding configs, the override
 torchtitan's ``apply_overrides``, meta-device build, ``parallelize_qwen3`` (activation
 checkpointing and FSDP2 with bfloat16 mixed precision over a mesh of one, as on one GPU), weight
 initialization, AdamW (``default_adamw``) with the MoE load-balancing hook, the warmup-stable-
-decay LR schedule, the chunked cross-entropy loss, gradient clipping, and the CUDA-graph wrapper
-of the forward-backward step (torchtitan's default on CUDA). The batches are the built-in corpus
-packed as torchtitan packs text (``corpus.PackedSamples``).
+decay LR schedule, the chunked cross-entropy loss (or the plain one: ``TitanRun.loss``), gradient
+clipping, and the CUDA-graph wrapper of the forward-backward step (torchtitan's default on CUDA).
+The batches are the built-in corpus packed as torchtitan packs text (``corpus.PackedSamples``).
 """
 
 from __future__ import annotations
@@ -40,10 +40,23 @@ from torchtitan.models.common.attention import FlexAttention
 from .corpus import BYTE_VOCAB_SIZE, PackedSamples, stdlib_source_files
 from .titan_models import parallelize_qwen3, prepare_model_config, titan_model_config
 
-__all__ = ["ACTIVATION_CHECKPOINTS", "OVERRIDE_TARGET", "StepResult", "TitanRun", "TitanTrainer", "single_process"]
+__all__ = ["ACTIVATION_CHECKPOINTS", "LOSSES", "OVERRIDE_TARGET", "StepResult", "TitanRun", "TitanTrainer",
+           "default_loss", "single_process"]
 
 OVERRIDE_TARGET = "moeblaze_megatron.torchtitan.moeblaze_experts"
 ACTIVATION_CHECKPOINTS = ("none", "selective", "full")
+# "chunked": torchtitan's Qwen3 configs' ChunkedLossWrapper (lm_head and the loss applied chunk by
+# chunk); "plain": CrossEntropyLoss over the model's whole logits, torchtitan's other loss config.
+LOSSES = ("chunked", "plain")
+
+
+def default_loss() -> str:
+    """The chunked loss where torch can train it: on torch < 2.12 its ``lm_head.reshard()`` frees
+    the final norm's weight (one FSDP unit with lm_head) before backward reaches the norm, and
+    backward stops ("... data is not allocated yet"), so there the plain loss."""
+    from torch.torch_version import TorchVersion
+
+    return "chunked" if TorchVersion(torch.__version__) >= (2, 12) else "plain"
 
 
 @dataclass
@@ -62,11 +75,14 @@ class TitanRun:
     activation_checkpoint: str = "none"
     cuda_graphs: bool = False
     max_norm: float = 1.0
+    loss: str = "chunked"
 
     def __post_init__(self):
         if self.activation_checkpoint not in ACTIVATION_CHECKPOINTS:
             raise ValueError(f"activation_checkpoint must be one of {ACTIVATION_CHECKPOINTS}, "
                              f"got {self.activation_checkpoint!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
 
     @property
     def label(self) -> str:
@@ -160,10 +176,14 @@ class TitanTrainer:
         self.lr_schedulers = LRSchedulersContainer.Config(
             warmup_steps=run.warmup_steps, decay_ratio=0.8, decay_type="cosine", min_lr_factor=0.1,
         ).build(optimizers=self.optimizers, training_steps=run.steps)
-        self.loss_fn = ChunkedLossWrapper.Config(
-            loss_fn=CrossEntropyLoss.Config(global_vocab_size=BYTE_VOCAB_SIZE)).build(compile_config=CompileConfig())
-        self.loss_fn.set_lm_head(model.lm_head)
-        model._skip_lm_head = True
+        cross_entropy = CrossEntropyLoss.Config(global_vocab_size=BYTE_VOCAB_SIZE)
+        if run.loss == "chunked":
+            # As torchtitan's Trainer sets a ChunkedLossWrapper up.
+            self.loss_fn = ChunkedLossWrapper.Config(loss_fn=cross_entropy).build(compile_config=CompileConfig())
+            self.loss_fn.set_lm_head(model.lm_head)
+            model._skip_lm_head = True
+        else:
+            self.loss_fn = cross_entropy.build(compile_config=CompileConfig())
         self.context = dist_utils.get_spmd_context(parallel_dims=self.parallel_dims)
         self.flex = isinstance(model_config.first_attention.inner_attention, FlexAttention.Config)
         self.fwd_bwd = self._forward_backward
@@ -233,13 +253,12 @@ class TitanTrainer:
     def release_cuda_graph(self) -> None:
         """Free the captured step (its memory pool); later steps run eagerly."""
         if self.run.cuda_graphs and self.device.type == "cuda":
-            # Through the wrappers: torchtitan's cudagraph_teardown() ends CUDA graphs for the
-            # whole process (its manager does not initialize again).
+            # torchtitan's teardown, not the wrappers' alone: its manager's warm-up graph keeps the
+            # shared pool, and every block the captured step took, reserved (the H200's memory
+            # search then failed below its budget). The next wrapper sets the manager up again.
             from torchtitan.distributed import cudagraph
 
-            for wrapper in cudagraph._manager._wrappers:
-                wrapper.teardown()
-            cudagraph._manager._wrappers.clear()
+            cudagraph.cudagraph_teardown()
             self.fwd_bwd = self._forward_backward
 
     def close(self) -> None:

@@ -433,12 +433,13 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(path: Path, result: dict) -> None:
+def plot(path: Path, result: dict) -> bool:
+    """The loss overlay at ``path``; False where matplotlib is missing (said once, nothing written)."""
     try:
         import matplotlib
     except ImportError:
         print("matplotlib is not installed: no losses.png (pip install matplotlib)", flush=True)
-        return
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -462,6 +463,7 @@ def plot(path: Path, result: dict) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def time_stock_variants(args, device, data_path, progress, initial_state=None):

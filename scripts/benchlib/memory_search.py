@@ -36,12 +36,10 @@ def search_memory(trainer, dimension: str, budget_bytes: int, time_limit: float,
             for _ in range(2):
                 trainer.train_step(trainer.random_batches(mbs, seq, generator))
 
-        ok, peak = fits_in_memory(device, two_steps, budget_bytes, allocated_before)
-        probes.append({"value": value, "tokens": mbs * seq, "fits": ok, "peak_bytes": peak,
-                       "seconds": time.perf_counter() - began})
-        progress(f"    {dimension} {value:6d} ({mbs * seq:7d} tokens): "
-                 f"{'fits' if ok else 'does not fit'}, peak {peak / 2**30:6.1f} GiB")
-        return ok
+        record = fits_in_memory(device, two_steps, budget_bytes, allocated_before)
+        probes.append({"value": value, "tokens": mbs * seq, **record, "seconds": time.perf_counter() - began})
+        progress(probe_line(f"{dimension} {value:6d} ({mbs * seq:7d} tokens)", record))
+        return record["fits"]
 
     torch.cuda.set_per_process_memory_fraction(min(1.0, (budget_bytes + allocated_before) / total), device)
     try:
@@ -52,25 +50,38 @@ def search_memory(trainer, dimension: str, budget_bytes: int, time_limit: float,
     return {"dimension": dimension, "budget_bytes": budget_bytes, **found, "probes": probes}
 
 
-def fits_in_memory(device, run_steps, budget_bytes: int, allocated_before: int = 0) -> tuple[bool, int]:
-    """One memory probe: ``run_steps()`` from a fresh peak counter; returns (whether it fits: no
-    out-of-memory error and a peak within ``budget_bytes``, the peak in bytes beyond
-    ``allocated_before``)."""
+def fits_in_memory(device, run_steps, budget_bytes: int, allocated_before: int = 0) -> dict:
+    """One memory probe: ``run_steps()`` from a fresh peak counter. Returns its record: ``fits``
+    (no out-of-memory error and a peak within ``budget_bytes``), ``peak_bytes``, what the
+    allocator held as it started (a probe after a failed one should start where the first did)
+    and the out-of-memory message (it says how much was reserved but unallocated); bytes beyond
+    ``allocated_before``."""
     import torch
 
     gc_free()
     torch.cuda.reset_peak_memory_stats(device)
-    ok = True
+    record = {"allocated_at_start_bytes": torch.cuda.memory_allocated(device) - allocated_before,
+              "reserved_at_start_bytes": torch.cuda.memory_reserved(device) - allocated_before}
+    failure = None
     try:
         run_steps()
-    except torch.OutOfMemoryError:
-        ok = False
+    except torch.OutOfMemoryError as error:
+        failure = str(error)
     except RuntimeError as error:  # an allocation failing outside the caching allocator
         if "out of memory" not in str(error):
             raise
-        ok = False
+        failure = str(error)
     peak = torch.cuda.max_memory_allocated(device) - allocated_before
-    return ok and peak <= budget_bytes, peak
+    record.update(fits=failure is None and peak <= budget_bytes, peak_bytes=peak,
+                  error=None if failure is None else failure.strip().splitlines()[0][:600])
+    return record
+
+
+def probe_line(label: str, record: dict) -> str:
+    """A probe's progress line."""
+    return (f"    {label}: {'fits' if record['fits'] else 'does not fit'}, peak {record['peak_bytes'] / 2**30:6.1f} GiB"
+            f" (started at {record['allocated_at_start_bytes'] / 2**30:.1f} allocated, "
+            f"{record['reserved_at_start_bytes'] / 2**30:.1f} reserved)")
 
 
 def largest_fitting(fits, start: int, granule: int, cap: int, deadline: float) -> dict:
@@ -113,4 +124,9 @@ def gc_free() -> None:
 
     gc.collect()
     if torch.cuda.is_available():
+        # cuBLAS keeps a workspace per handle and stream in the caching allocator: carved from a
+        # large freed block, it pins that block's whole segment.
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()

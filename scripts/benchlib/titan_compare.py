@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from .dispatcher_compare import REPO, Progress, _mib, loss_check, plot, record_step, summarize
-from .memory_search import fits_in_memory, gc_free, largest_fitting
+from .memory_search import fits_in_memory, gc_free, largest_fitting, probe_line
 
 DEFAULT_OUT = REPO / "runs" / "compare_torchtitan"  # git-ignored (/runs/)
 DEFAULTS = {
@@ -66,6 +66,10 @@ def resolve(args):
         raise SystemExit("--search needs a GPU (it measures the CUDA allocator's peak); use --search none")
     if args.warmup >= args.steps:
         raise SystemExit(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
+    if getattr(args, "loss", "auto") == "auto":
+        from moeblaze_megatron.training.titan_loop import default_loss
+
+        args.loss = default_loss()
     return device
 
 
@@ -168,12 +172,12 @@ def search_micro_batch(trainer, budget_bytes, time_limit, progress, allocated_be
             for _ in range(2):
                 trainer.train_step(trainer.random_batch(batch, trainer.run.seq_len, generator), eager=True)
 
-        ok, peak = fits_in_memory(device, two_steps, budget_bytes, allocated_before)
+        record = fits_in_memory(device, two_steps, budget_bytes, allocated_before)
         trainer.optimizers.zero_grad(set_to_none=not trainer.run.cuda_graphs)
-        probes.append({"value": batch, "tokens": batch * trainer.run.seq_len, "fits": ok, "peak_bytes": peak,
+        probes.append({"value": batch, "tokens": batch * trainer.run.seq_len, **record,
                        "seconds": time.perf_counter() - began})
-        progress(f"    micro-batch {batch:4d}: {'fits' if ok else 'does not fit'}, peak {peak / 2**30:6.1f} GiB")
-        return ok
+        progress(probe_line(f"micro-batch {batch:4d}", record))
+        return record["fits"]
 
     torch.cuda.set_per_process_memory_fraction(min(1.0, (budget_bytes + allocated_before) / total), device)
     try:
@@ -227,7 +231,8 @@ def _runs(args, device, cuda_graphs: bool):
 
     common = dict(family=args.family, attention=args.attention, local_batch_size=args.local_batch_size,
                   seq_len=args.seq_len, steps=args.steps, lr=args.lr, warmup_steps=max(1, args.steps // 10),
-                  seed=args.seed, activation_checkpoint=args.activation_checkpoint, cuda_graphs=cuda_graphs)
+                  seed=args.seed, activation_checkpoint=args.activation_checkpoint, cuda_graphs=cuda_graphs,
+                  loss=args.loss)
     options = {"backend": args.backend, "recompute": args.recompute}
     # The control before the candidate: the candidate's search, last, gets what the time budget
     # leaves.
@@ -309,7 +314,8 @@ def table(result: dict) -> str:
              f"{result['environment'].get('gpu', result['environment']['device'])}, "
              f"{result['config']['local_batch_size']} x {result['config']['seq_len']} tokens, "
              f"cuda graphs {'on' if result['config']['cuda_graphs_used'] else 'off'}, "
-             f"attention {result['config']['attention']}, AC {result['config']['activation_checkpoint']}",
+             f"attention {result['config']['attention']}, AC {result['config']['activation_checkpoint']}, "
+             f"{result['config']['loss']} loss",
              "| run | median step ms | tokens/s | peak MiB | MoE saved MiB | model saved MiB | largest micro-batch |",
              "|---|---|---|---|---|---|---|"]
     for name in ("baseline", "candidate"):
@@ -347,6 +353,8 @@ def run(args, command: str) -> int:
     device = resolve(args)
     out = Path(args.out or os.environ.get("OUT") or DEFAULT_OUT / f"{args.family}-{'gpu' if device.type == 'cuda' else 'cpu'}")
     progress(f"outputs go to {out}/")
+    progress(f"every run trains with the {args.loss} loss" + (
+        " (torch < 2.12: stock torchtitan's chunked loss cannot train there)" if args.loss == "plain" else ""))
     with single_process(device):
         graphs = args.cuda_graphs == "on" and device.type == "cuda"
         out.mkdir(parents=True, exist_ok=True)
@@ -365,8 +373,8 @@ def run(args, command: str) -> int:
     result["command"] = command.strip()
     partial.unlink(missing_ok=True)
     (out / "compare_torchtitan.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    plot(out / "losses.png", result)
-    progress(f"wrote {out / 'compare_torchtitan.json'} and losses.png (the loss overlay)")
+    plotted = plot(out / "losses.png", result)
+    progress(f"wrote {out / 'compare_torchtitan.json'}" + (" and losses.png (the loss overlay)" if plotted else ""))
     print()
     print(table(result), flush=True)
     if not result["loss_check"]["passed"]:

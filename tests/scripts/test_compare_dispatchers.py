@@ -153,6 +153,8 @@ def test_search_memory_with_a_simulated_allocator(monkeypatch):
                         lambda fraction, device: state.update(fraction=fraction))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: state.update(peak=0))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: state["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 40 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 41 * gib)
     lines = []
     found = search_memory(FakeTrainer(), "micro-batch", 80 * gib, 60.0, lines.append)
     assert found["largest_fitting"] == 10 and found["smallest_failing"] == 11
@@ -160,5 +162,10 @@ def test_search_memory_with_a_simulated_allocator(monkeypatch):
     assert all(p["fits"] == (p["value"] <= 10) for p in found["probes"])
     assert all(p["peak_bytes"] <= 80 * gib for p in found["probes"])
     assert len(lines) == len(found["probes"]) and "does not fit" in lines[-1] + lines[-2]
+    # Each probe records where the allocator started and why it failed.
+    assert all((p["allocated_at_start_bytes"], p["reserved_at_start_bytes"]) == (40 * gib, 41 * gib)
+               for p in found["probes"]) and "41.0 reserved" in lines[0]
+    assert all((p["error"] is None) == p["fits"] for p in found["probes"])
+    assert "CUDA out of memory (simulated)" in {p["error"] for p in found["probes"]}
     by_seq = search_memory(FakeTrainer(), "seq-length", 80 * gib, 60.0, lines.append)
     assert by_seq["largest_fitting"] == 20480  # 2 x 20480 tokens = 40 GiB of activations

@@ -93,6 +93,8 @@ def test_micro_batch_search_with_a_simulated_allocator(monkeypatch):
                         lambda fraction, device: state.update(fraction=fraction))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: state.update(peak=0))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: state["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 40 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 41 * gib)
     lines = []
     found = titan_compare.search_micro_batch(FakeTrainer(), 80 * gib, 60.0, lines.append)
     assert found["largest_fitting"] == 10 and found["smallest_failing"] == 11 and state["fraction"] == 1.0

@@ -108,7 +108,8 @@ def _fake_tools(tmp_path):
         'case "$1 $2" in\n'
         "  *transformer_engine*|*megatron.core*) exit 0 ;;\n"
         f'  "-c "*) exec {sys.executable} "$@" ;;\n'
-        f"  scripts/compare_dispatchers.py*|scripts/bench_layer.py*) PYTHONPATH=scripts exec {sys.executable} "
+        f"  scripts/compare_dispatchers.py*|scripts/bench_layer.py*|scripts/compare_torchtitan.py*) "
+        f"PYTHONPATH=scripts exec {sys.executable} "
         f'{tmp_path}/parse.py "$@" ;;\n'
         "esac\n"
         "exit 0\n")
@@ -142,3 +143,17 @@ def test_gpu_suite_te_steps_commands(tmp_path):
     assert (tmp_path / "state" / "deepseek_v3.variant").read_text().strip() == "te_shared_overlap"
     kept = sorted(p.name for p in out.iterdir())
     assert "results.tar.gz" in kept and "te_select_qwen3_moe.json" in kept and all(p.is_file() for p in out.iterdir())
+
+
+def test_gpu_suite_titan_step(tmp_path):
+    """STEPS=titan runs compare_torchtitan.py (its own parser takes the command) with TITAN_FLAGS,
+    its output under the results folder."""
+    bin_dir = _fake_tools(tmp_path)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_suite.sh")], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "STEPS": "titan",
+             "TITAN_FLAGS": "--loss plain --local-batch-size 8"})
+    assert done.returncode == 0 and "== titan rc=0" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines() if c.startswith("scripts/")]
+    assert calls == [f"scripts/compare_torchtitan.py --out {out}/compare_torchtitan --loss plain --local-batch-size 8"]
