@@ -40,8 +40,8 @@ from torchtitan.models.common.attention import FlexAttention
 from .corpus import BYTE_VOCAB_SIZE, PackedSamples, stdlib_source_files
 from .titan_models import parallelize_qwen3, prepare_model_config, titan_model_config
 
-__all__ = ["ACTIVATION_CHECKPOINTS", "LOSSES", "OVERRIDE_TARGET", "StepResult", "TitanRun", "TitanTrainer",
-           "default_loss", "single_process"]
+__all__ = ["ACTIVATION_CHECKPOINTS", "LOSSES", "OVERRIDE_TARGET", "PHASES", "StepResult", "TitanRun",
+           "TitanTrainer", "default_loss", "single_process"]
 
 OVERRIDE_TARGET = "moeblaze_megatron.torchtitan.moeblaze_experts"
 ACTIVATION_CHECKPOINTS = ("none", "selective", "full")
@@ -89,11 +89,39 @@ class TitanRun:
         return "stock" if self.override is None else "moeblaze"
 
 
+PHASES = ("forward_backward", "clip", "optimizer")
+
+
 @dataclass
 class StepResult:
     loss: float
     seconds: float
     tokens: int
+    # Seconds of each of PHASES within the step (CUDA events on a GPU): where a step goes.
+    phases: dict = dataclasses.field(default_factory=dict)
+
+
+class _PhaseClock:
+    """Time points between a step's phases: CUDA events on a GPU (no synchronization inside the
+    step), the host clock on the CPU (where every op is synchronous)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.points = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points.append(event)
+        else:
+            self.points.append(time.perf_counter())
+
+    def seconds(self) -> dict:
+        """After the step's last mark and a synchronization: {phase: seconds}."""
+        pairs = zip(self.points, self.points[1:])
+        spans = [a.elapsed_time(b) / 1e3 if self.cuda else b - a for a, b in pairs]
+        return dict(zip(PHASES, spans))
 
 
 def _free_port() -> int:
@@ -233,19 +261,25 @@ class TitanTrainer:
         if self.flex:
             extra["attention_masks"] = self.model.get_attention_masks(positions=positions)
         inputs, labels, extra = annotate_input_spmd_types(self.parallel_dims, inputs, labels, extra)
+        clock = _PhaseClock(self.device)
+        clock.mark()
         if forward_context is not None:
             loss = self._forward_backward(inputs, labels, global_valid_tokens, extra, forward_context)
         elif eager:
             loss = self._forward_backward(inputs, labels, global_valid_tokens, extra)
         else:
             loss = self.fwd_bwd(inputs, labels, global_valid_tokens, extra)
+        clock.mark()
         loss = float(loss.detach())  # before the next replay overwrites a graph's output
         dist_utils.clip_grad_norm_([p for p in self.model.parameters()], self.run.max_norm, foreach=True)
+        clock.mark()
         self.optimizers.step()
         self.lr_schedulers.step()
+        clock.mark()
         self._synchronize()
         self.step += 1
-        return StepResult(loss=loss, seconds=time.perf_counter() - start, tokens=int(labels.numel()))
+        return StepResult(loss=loss, seconds=time.perf_counter() - start, tokens=int(labels.numel()),
+                          phases=clock.seconds())
 
     def routed_experts(self) -> list[torch.nn.Module]:
         return [layer.moe.routed_experts for layer in self.model.layers.values()]

@@ -27,7 +27,7 @@ import time
 import warnings
 from pathlib import Path
 
-from .memory_search import gc_free, search_memory
+from .memory_search import gc_free, largest_text, search_memory
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -395,7 +395,7 @@ def markdown(result: dict) -> str:
         row = (f"| {_label(run)} | {run['median_step_seconds'] * 1e3:.1f} | {run['tokens_per_second']:,.0f} | "
                f"{_mib(run.get('peak_memory_bytes'))} | {_mib(run.get('saved_activation_bytes'))} |")
         if result.get("search"):
-            row += f" {result['search'][run_name]['largest_fitting']} |"
+            row += f" {largest_text(result['search'][run_name])} |"
         lines.append(row)
     if any(r.get("extra_args") for r in (base, cand)):
         lines += [""] + [f"{_label(r)} flags: `{' '.join(r['extra_args'])}`" for r in (base, cand) if r.get("extra_args")]

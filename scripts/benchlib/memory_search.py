@@ -43,7 +43,7 @@ def search_memory(trainer, dimension: str, budget_bytes: int, time_limit: float,
 
     torch.cuda.set_per_process_memory_fraction(min(1.0, (budget_bytes + allocated_before) / total), device)
     try:
-        found = largest_fitting(fits, start_value, granule, cap, deadline)
+        found = largest_fitting(fits, start_value, granule, cap, deadline, recheck=True)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         gc_free()
@@ -84,11 +84,13 @@ def probe_line(label: str, record: dict) -> str:
             f"{record['reserved_at_start_bytes'] / 2**30:.1f} reserved)")
 
 
-def largest_fitting(fits, start: int, granule: int, cap: int, deadline: float) -> dict:
+def largest_fitting(fits, start: int, granule: int, cap: int, deadline: float, recheck: bool = False) -> dict:
     """The largest multiple of ``granule`` in [granule, cap] for which ``fits`` holds, assuming
     it is monotone: double from ``start`` (a multiple of ``granule``) until a failure (halve while
     ``start`` itself fails), then bisect. Stops early at ``deadline`` (time.perf_counter()) with
-    the best bracket so far."""
+    the best bracket so far. ``recheck``: after a search that saw a failure, probe the largest
+    fitting size once more: if it no longer fits, a failed probe changed what later probes see
+    (memory it left behind) and the bracket is not to be trusted (``recheck_fits`` False)."""
     if start % granule or start <= 0:
         raise ValueError(f"start must be a positive multiple of granule={granule}, got {start}")
     good, bad, value = None, None, start
@@ -111,8 +113,17 @@ def largest_fitting(fits, start: int, granule: int, cap: int, deadline: float) -
             good = middle
         else:
             bad = middle
-    return {"largest_fitting": good, "smallest_failing": bad, "time_limited": time.perf_counter() >= deadline,
-            "capped": bad is None and good is not None}
+    found = {"largest_fitting": good, "smallest_failing": bad, "time_limited": time.perf_counter() >= deadline,
+             "capped": bad is None and good is not None, "recheck_fits": None}
+    if recheck and good is not None and bad is not None:
+        found["recheck_fits"] = bool(fits(good))
+    return found
+
+
+def largest_text(found: dict) -> str:
+    """A search's largest fitting size for a table, marked where its recheck failed."""
+    text = str(found.get("largest_fitting"))
+    return text + (" (recheck failed: memory left by a failed probe)" if found.get("recheck_fits") is False else "")
 
 
 def gc_free() -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .memory_search import largest_text
+
 STEP_GOAL = 2.5  # moeblaze step time speedup over the fastest TE stock form
 SEARCH_GOAL = 1.5  # largest micro-batch (or sequence) at equal memory
 
@@ -70,8 +72,8 @@ def compare_lines(rows: list[tuple[str, dict]]) -> list[str]:
         speed = base["median_step_seconds"] / cand["median_step_seconds"]
         search = r.get("search") or {}
         fits = [search.get(k, {}).get("largest_fitting") for k in ("baseline", "candidate")]
-        fit_text = (f"{fits[0]} / {fits[1]}" + (f" ({fits[1] / fits[0]:.2f}x)" if all(fits) else "")
-                    if search else "-")
+        fit_text = (" / ".join(largest_text(search.get(k, {})) for k in ("baseline", "candidate"))
+                    + (f" ({fits[1] / fits[0]:.2f}x)" if all(fits) else "") if search else "-")
         check = r.get("loss_check")
         losses = "-" if not check else (f"{'agree' if check['passed'] else 'DIVERGE'} over {len(check['steps'])} steps "
                                         f"(worst {check['worst_diff_over_tolerance']:.2f})")

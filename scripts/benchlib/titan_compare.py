@@ -13,11 +13,12 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
 from .dispatcher_compare import REPO, Progress, _mib, loss_check, plot, record_step, summarize
-from .memory_search import fits_in_memory, gc_free, largest_fitting, probe_line
+from .memory_search import fits_in_memory, gc_free, largest_fitting, largest_text, probe_line
 
 DEFAULT_OUT = REPO / "runs" / "compare_torchtitan"  # git-ignored (/runs/)
 DEFAULTS = {
@@ -137,7 +138,8 @@ def _storages(tensors) -> set[int]:
 def train(trainer, label, steps, progress, measure_saved=True, allocated_before=0) -> dict:
     import torch
 
-    record = {"dispatcher": trainer.run.label, "losses": [], "step_seconds": [], "tokens_per_step": None}
+    record = {"dispatcher": trainer.run.label, "losses": [], "step_seconds": [], "tokens_per_step": None,
+              "phase_seconds": {}}
     for i in range(steps):
         if i == 0 and measure_saved:
             saved = SavedForBackward(trainer.model, trainer.routed_experts())
@@ -147,6 +149,8 @@ def train(trainer, label, steps, progress, measure_saved=True, allocated_before=
         else:
             result = trainer.train_step()
         record_step(record, result, label, i, steps, progress, trainer.step)
+        for phase, seconds in result.phases.items():
+            record["phase_seconds"].setdefault(phase, []).append(seconds)
     if trainer.device.type == "cuda":
         record["peak_memory_bytes"] = torch.cuda.max_memory_allocated(trainer.device) - allocated_before
     return record
@@ -182,7 +186,7 @@ def search_micro_batch(trainer, budget_bytes, time_limit, progress, allocated_be
     torch.cuda.set_per_process_memory_fraction(min(1.0, (budget_bytes + allocated_before) / total), device)
     try:
         found = largest_fitting(fits, trainer.run.local_batch_size, 1, 64 * trainer.run.local_batch_size,
-                                time.perf_counter() + time_limit)
+                                time.perf_counter() + time_limit, recheck=True)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         gc_free()
@@ -263,6 +267,8 @@ def compare(args, device, progress, cuda_graphs: bool, partial: Path | None = No
         record = train(trainer, label, args.steps, progress, measure_saved=name != "control" and args.count_saved == "on",
                        allocated_before=allocated_before)
         summarize(record, args.warmup)
+        record["median_phase_seconds"] = {phase: statistics.median(times[args.warmup:])
+                                          for phase, times in record["phase_seconds"].items()}
         result["runs"][name] = record
         if name == "candidate":
             record["gate_up_concat_seconds_per_step"] = gate_up_concat_seconds(trainer)
@@ -320,7 +326,7 @@ def table(result: dict) -> str:
              "|---|---|---|---|---|---|---|"]
     for name in ("baseline", "candidate"):
         r = runs[name]
-        largest = search[name]["largest_fitting"] if search else "-"
+        largest = largest_text(search[name]) if search else "-"
         lines.append(f"| {r['dispatcher']} | {r['median_step_seconds'] * 1e3:.1f} | {r['tokens_per_second']:,.0f} | "
                      f"{_mib(r.get('peak_memory_bytes'))} | {_mib(r['saved_moe_bytes'])} | "
                      f"{_mib(r['saved_activation_bytes'])} | {largest} |")
@@ -329,6 +335,10 @@ def table(result: dict) -> str:
                  + (f"; peak {ratios['peak_memory_ratio']:.2f}x" if "peak_memory_ratio" in ratios else "")
                  + (f"; largest micro-batch {ratios['micro_batch_ratio']:.2f}x (goal >= 1.5)"
                     if "micro_batch_ratio" in ratios else ""))
+    phases = [f"{runs[name]['dispatcher']} " + ", ".join(
+        f"{phase.replace('_', '+')} {seconds * 1e3:.1f}" for phase, seconds in runs[name]["median_phase_seconds"].items())
+        for name in ("baseline", "candidate")]
+    lines.append("median ms per phase of a step: " + "; ".join(phases))
     concat = runs["candidate"].get("gate_up_concat_seconds_per_step")
     if concat is not None:
         lines.append(f"[w1 | w3] stacking: {concat * 1e3:.2f} ms of each step")

@@ -64,6 +64,26 @@ def test_largest_fitting_search(threshold, start, granule):
     assert not found["time_limited"]
 
 
+def test_largest_fitting_recheck_catches_a_probe_that_spoils_the_next():
+    """Sizes up to 27 fit, but once a probe has failed every later probe fails (memory a failed
+    probe left behind): the bracket then ends at 16 / 17, and the recheck of 16 says not to trust it."""
+    state = {"spoiled": False}
+
+    def fits(value):
+        ok = value <= 27 and not state["spoiled"]
+        state["spoiled"] |= not ok
+        return ok
+
+    found = largest_fitting(fits, 2, 1, 128, time.perf_counter() + 60, recheck=True)
+    assert (found["largest_fitting"], found["smallest_failing"], found["recheck_fits"]) == (16, 17, False)
+    state["spoiled"] = False
+    clean = largest_fitting(lambda v: v <= 27, 2, 1, 128, time.perf_counter() + 60, recheck=True)
+    assert (clean["largest_fitting"], clean["recheck_fits"]) == (27, True)
+    # Without a failure (capped) or without recheck, nothing is probed again.
+    assert largest_fitting(lambda v: True, 2, 1, 8, time.perf_counter() + 60, recheck=True)["recheck_fits"] is None
+    assert largest_fitting(lambda v: v <= 27, 2, 1, 128, time.perf_counter() + 60)["recheck_fits"] is None
+
+
 def test_largest_fitting_stops_at_deadline():
     found = largest_fitting(lambda v: True, 1, 1, 1 << 20, time.perf_counter() - 1)
     assert found["time_limited"] and found["largest_fitting"] is None

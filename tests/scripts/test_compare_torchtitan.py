@@ -31,8 +31,16 @@ def test_cpu_comparison(tmp_path, capsys):
     assert 0 < runs["candidate"]["saved_moe_bytes"] <= floor < runs["baseline"]["saved_moe_bytes"]
     assert result["ratios"]["moe_saved_ratio"] < 1 and result["config"]["cuda_graphs_used"] is False
     assert result["environment"]["torchtitan"] == "0.3.0" and (tmp_path / "losses.png").is_file()
+    # Where each step goes: at every step the phases lie within it.
+    for name in ("baseline", "candidate"):
+        phases = runs[name]["phase_seconds"]
+        assert list(phases) == list(runs[name]["median_phase_seconds"]) == ["forward_backward", "clip", "optimizer"]
+        for step, seconds in enumerate(runs[name]["step_seconds"]):
+            spans = [phases[phase][step] for phase in phases]
+            assert min(spans) > 0 and sum(spans) <= seconds, (name, step, spans, seconds)
     table = capsys.readouterr().out.strip().splitlines()
     assert table[-1].startswith("losses agree") and any(line.startswith("| moeblaze |") for line in table)
+    assert any(line.startswith("median ms per phase of a step: stock forward+backward ") for line in table)
 
 
 def test_stand_in_for_a_missing_data_parallel_mesh_dims(monkeypatch):

@@ -64,7 +64,7 @@ def test_summary_of_te_records(tmp_path):
 
     _write(tmp_path / "te_compare_qwen3_moe.json", {
         "runs": {"baseline": run("alltoall_te [te]", 280.0), "candidate": run("moeblaze", 100.0)},
-        "search": {"baseline": {"largest_fitting": 8}, "candidate": {"largest_fitting": 14}},
+        "search": {"baseline": {"largest_fitting": 8}, "candidate": {"largest_fitting": 14, "recheck_fits": False}},
         "loss_check": {"passed": True, "steps": [{}] * 500, "worst_diff_over_tolerance": 0.4}})
     _write(tmp_path / "te_compare_deepseek_v3.json", {"partial": True, "runs": {"baseline": run("alltoall_te [te]", 300.0)}})
     text = summary(tmp_path)
@@ -73,7 +73,8 @@ def test_summary_of_te_records(tmp_path):
     assert "| conf4 | swiglu | 50.00 | 75.00 | 1.50x |" in text and "| 7b-fine-grained | swiglu | 4.00 | OOM | - |" in text
     assert "qwen3_moe: fastest stock variant te (te 250.0 ms; te_op_fuser not run)" in text
     assert "| qwen3_moe | 280.0 (alltoall_te [te]) | 100.0 | 2.80x |" in text
-    assert "8 / 14 (1.75x)" in text and "agree over 500 steps (worst 0.40)" in text
+    assert "8 / 14 (recheck failed: memory left by a failed probe) (1.75x)" in text
+    assert "agree over 500 steps (worst 0.40)" in text
     assert "| deepseek_v3 | incomplete run (partial record) |" in text
     assert summary(tmp_path / "nothing") == ""
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "te_summary.py"), str(tmp_path)],
