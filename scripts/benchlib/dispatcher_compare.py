@@ -266,6 +266,21 @@ class SavedBytes:
         self.total = max(self.total, sum(storages.values()))
 
 
+def comparison_ratios(base: dict, cand: dict, search: dict | None, byte_keys=("saved_activation_bytes",)) -> dict:
+    """The candidate's run against the baseline's, each ratio named for its direction:
+    ``step_time_speedup`` baseline / candidate step time; ``<name>_fraction`` candidate / baseline
+    bytes for each of ``byte_keys`` ("<name>_bytes") and the peak (below 1: less);
+    ``largest_fitting_ratio`` candidate / baseline largest fitting size of the memory search."""
+    ratios = {"step_time_speedup": base["median_step_seconds"] / cand["median_step_seconds"]}
+    for key in byte_keys:
+        ratios[key.removesuffix("_bytes") + "_fraction"] = cand[key] / max(1, base[key])
+    if base.get("peak_memory_bytes"):
+        ratios["peak_memory_fraction"] = cand["peak_memory_bytes"] / base["peak_memory_bytes"]
+    if search and search["baseline"]["largest_fitting"] and search["candidate"]["largest_fitting"]:
+        ratios["largest_fitting_ratio"] = search["candidate"]["largest_fitting"] / search["baseline"]["largest_fitting"]
+    return ratios
+
+
 def summarize(record: dict, warmup: int) -> None:
     timed = record["step_seconds"][warmup:]
     record["median_step_seconds"] = statistics.median(timed)
@@ -404,9 +419,9 @@ def markdown(result: dict) -> str:
                   "baseline:", "", *variants_markdown(result["stock_selection"])]
     ratios = result["ratios"]
     lines += ["", f"Step time: {ratios['step_time_speedup']:.2f}x faster with {_label(cand)}; "
-              f"saved activations: {ratios['saved_activation_ratio']:.2f}x less"
-              + (f"; largest {result['search']['dimension']}: {ratios['search_ratio']:.2f}x"
-                 if ratios.get("search_ratio") else "") + "."]
+              f"saved activations: {1 / max(ratios['saved_activation_fraction'], 1e-12):.2f}x less"
+              + (f"; largest {result['search']['dimension']}: {ratios['largest_fitting_ratio']:.2f}x"
+                 if ratios.get("largest_fitting_ratio") else "") + "."]
     check = result["loss_check"]
     lines += ["", f"## Losses ({'agree' if check['passed'] else 'DIVERGE'}: worst |diff| / tolerance = "
               f"{check['worst_diff_over_tolerance']:.2f})", "",
@@ -602,14 +617,7 @@ def compare(args, device, progress, save_partial=None) -> dict:
     result["loss_check"] = check
     progress(f"losses {'agree' if check['passed'] else 'DIVERGE'}: worst |diff| / tolerance "
              f"{check['worst_diff_over_tolerance']:.2f}")
-    ratios = {"step_time_speedup": base["median_step_seconds"] / cand["median_step_seconds"],
-              "saved_activation_ratio": base["saved_activation_bytes"] / max(1, cand["saved_activation_bytes"])}
-    if base.get("peak_memory_bytes"):
-        ratios["peak_memory_ratio"] = base["peak_memory_bytes"] / cand["peak_memory_bytes"]
-    search = result.get("search")
-    if search and search["baseline"]["largest_fitting"] and search["candidate"]["largest_fitting"]:
-        ratios["search_ratio"] = search["candidate"]["largest_fitting"] / search["baseline"]["largest_fitting"]
-    result["ratios"] = ratios
+    result["ratios"] = comparison_ratios(base, cand, result.get("search"))
     if save_partial is not None:
         save_partial(result)
     if args.resume_check:

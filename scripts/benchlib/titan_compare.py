@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from .dispatcher_compare import REPO, Progress, _mib, loss_check, plot, record_step, summarize
+from .dispatcher_compare import REPO, Progress, _mib, comparison_ratios, loss_check, plot, record_step, summarize
 from .memory_search import fits_in_memory, gc_free, largest_fitting, largest_text, probe_line
 
 DEFAULT_OUT = REPO / "runs" / "compare_torchtitan"  # git-ignored (/runs/)
@@ -300,15 +300,8 @@ def compare(args, device, progress, cuda_graphs: bool, partial: Path | None = No
     check = loss_check(base["losses"], cand["losses"], result["runs"]["control"]["losses"],
                        torch.finfo(torch.bfloat16).eps / 2, base["tokens_per_step"])
     result["loss_check"] = check
-    ratios = {"step_time_speedup": base["median_step_seconds"] / cand["median_step_seconds"],
-              "moe_saved_ratio": cand["saved_moe_bytes"] / max(1, base["saved_moe_bytes"]),
-              "saved_activation_ratio": cand["saved_activation_bytes"] / max(1, base["saved_activation_bytes"])}
-    if base.get("peak_memory_bytes"):
-        ratios["peak_memory_ratio"] = cand["peak_memory_bytes"] / base["peak_memory_bytes"]
-    search = result.get("search")
-    if search and search["baseline"]["largest_fitting"] and search["candidate"]["largest_fitting"]:
-        ratios["micro_batch_ratio"] = search["candidate"]["largest_fitting"] / search["baseline"]["largest_fitting"]
-    result["ratios"] = ratios
+    result["ratios"] = comparison_ratios(base, cand, result.get("search"),
+                                         byte_keys=("saved_moe_bytes", "saved_activation_bytes"))
     return result
 
 
@@ -331,10 +324,10 @@ def table(result: dict) -> str:
                      f"{_mib(r.get('peak_memory_bytes'))} | {_mib(r['saved_moe_bytes'])} | "
                      f"{_mib(r['saved_activation_bytes'])} | {largest} |")
     lines.append(f"step time {ratios['step_time_speedup']:.2f}x stock (goal >= 1.3); MoE saved for backward "
-                 f"{ratios['moe_saved_ratio']:.2f}x (goal <= 0.5)"
-                 + (f"; peak {ratios['peak_memory_ratio']:.2f}x" if "peak_memory_ratio" in ratios else "")
-                 + (f"; largest micro-batch {ratios['micro_batch_ratio']:.2f}x (goal >= 1.5)"
-                    if "micro_batch_ratio" in ratios else ""))
+                 f"{ratios['saved_moe_fraction']:.2f}x (goal <= 0.5)"
+                 + (f"; peak {ratios['peak_memory_fraction']:.2f}x" if "peak_memory_fraction" in ratios else "")
+                 + (f"; largest micro-batch {ratios['largest_fitting_ratio']:.2f}x (goal >= 1.5)"
+                    if "largest_fitting_ratio" in ratios else ""))
     phases = [f"{runs[name]['dispatcher']} " + ", ".join(
         f"{phase.replace('_', '+')} {seconds * 1e3:.1f}" for phase, seconds in runs[name]["median_phase_seconds"].items())
         for name in ("baseline", "candidate")]

@@ -84,6 +84,20 @@ def test_largest_fitting_recheck_catches_a_probe_that_spoils_the_next():
     assert largest_fitting(lambda v: v <= 27, 2, 1, 128, time.perf_counter() + 60)["recheck_fits"] is None
 
 
+def test_comparison_ratios_name_their_direction():
+    base = {"median_step_seconds": 0.3, "saved_activation_bytes": 400, "saved_moe_bytes": 300, "peak_memory_bytes": 80}
+    cand = {"median_step_seconds": 0.1, "saved_activation_bytes": 100, "saved_moe_bytes": 30, "peak_memory_bytes": 60}
+    search = {"baseline": {"largest_fitting": 8}, "candidate": {"largest_fitting": 14}}
+    ratios = compare.comparison_ratios(base, cand, search, byte_keys=("saved_activation_bytes", "saved_moe_bytes"))
+    assert ratios == pytest.approx({"step_time_speedup": 3.0, "saved_activation_fraction": 0.25,
+                                    "saved_moe_fraction": 0.1, "peak_memory_fraction": 0.75,
+                                    "largest_fitting_ratio": 1.75})
+    # No peak (CPU), no search or a search that found nothing: those ratios are left out.
+    plain = compare.comparison_ratios({**base, "peak_memory_bytes": None}, cand,
+                                      {"baseline": {"largest_fitting": None}, "candidate": {"largest_fitting": 4}})
+    assert set(plain) == {"step_time_speedup", "saved_activation_fraction"}
+
+
 def test_largest_fitting_stops_at_deadline():
     found = largest_fitting(lambda v: True, 1, 1, 1 << 20, time.perf_counter() - 1)
     assert found["time_limited"] and found["largest_fitting"] is None
@@ -124,7 +138,7 @@ def test_compare_dispatchers_fails_on_divergence(tmp_path, monkeypatch, capsys):
                 for name, d, losses in (("baseline", "allgather", baseline), ("candidate", "moeblaze", candidate),
                                         ("control", "allgather", control))}
         return {"config": {"family": "tiny", "memory_budget_gib": 80.0}, "environment": {"device": "cpu"},
-                "runs": runs, "ratios": {"step_time_speedup": 1.0, "saved_activation_ratio": 1.0},
+                "runs": runs, "ratios": {"step_time_speedup": 1.0, "saved_activation_fraction": 1.0},
                 "loss_check": compare.loss_check(baseline, candidate, control, 2.0**-24, 64)}
 
     assert compare.DEFAULT_OUT == REPO / "runs" / "compare"

@@ -29,7 +29,7 @@ def test_cpu_comparison(tmp_path, capsys):
     T, d, h, K, layers = 4 * 64, 64, 32, 2, 2
     floor = layers * (1.05 * (2 * T * d + 4 * T * K * h) + 16 * T * K + 4 * 9)
     assert 0 < runs["candidate"]["saved_moe_bytes"] <= floor < runs["baseline"]["saved_moe_bytes"]
-    assert result["ratios"]["moe_saved_ratio"] < 1 and result["config"]["cuda_graphs_used"] is False
+    assert result["ratios"]["saved_moe_fraction"] < 1 and result["config"]["cuda_graphs_used"] is False
     assert result["environment"]["torchtitan"] == "0.3.0" and (tmp_path / "losses.png").is_file()
     # Where each step goes: at every step the phases lie within it.
     for name in ("baseline", "candidate"):
