@@ -193,6 +193,54 @@ def search_micro_batch(trainer, budget_bytes, time_limit, progress, allocated_be
     return {"dimension": "micro-batch", "budget_bytes": budget_bytes, **found, "probes": probes}
 
 
+def routed_experts_seconds(trainer, repeats: int = 10, warmup: int = 3) -> float:
+    """Median seconds of one MoE layer's routed experts alone, forward and backward (gradients of
+    the input, the scores and the weights), at the run's tokens per step on balanced random
+    routing: the experts' share of a step, measured the same way for stock and the override.
+    The layer's FSDP unit is unsharded around it as in the step (bf16 weights); gradients are
+    returned, not accumulated. CUDA events on a GPU, the host clock on the CPU."""
+    import torch
+
+    from moeblaze_megatron.training.titan_models import TITAN_FAMILIES
+
+    device = trainer.device
+    block = next(iter(trainer.model.layers.values()))
+    routed = block.moe.routed_experts
+    block.unshard()
+    try:
+        params = [p for p in routed.parameters() if p.requires_grad]
+        num_experts, dim = params[0].shape[0], params[0].shape[-1]
+        B, L, K = trainer.run.local_batch_size, trainer.run.seq_len, TITAN_FAMILIES[trainer.run.family].top_k
+        generator = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(B, L, dim, device=device, generator=generator).to(params[0].dtype).requires_grad_()
+        # K distinct experts per token, uniformly: the balanced routing of a fresh router.
+        ids = torch.rand(B * L, num_experts, device=device, generator=generator).argsort(-1)[:, :K]
+        ids = ids.reshape(B, L, K).contiguous()
+        scores = torch.rand(B, L, K, device=device, generator=generator).softmax(-1).requires_grad_()
+        counts = torch.bincount(ids.flatten(), minlength=num_experts)
+        grad_y = torch.randn_like(x)
+        times = []
+        for i in range(warmup + repeats):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            began = time.perf_counter()
+            with trainer.context():
+                y = routed(x, scores, ids, counts)
+            torch.autograd.grad(y, [x, scores, *params], grad_y)
+            if device.type == "cuda":
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1e3
+            else:
+                seconds = time.perf_counter() - began
+            if i >= warmup:
+                times.append(seconds)
+    finally:
+        block.reshard()
+    return statistics.median(times)
+
+
 def gate_up_concat_seconds(trainer, repeats: int = 20) -> float | None:
     """Seconds a step spends stacking [w1 | w3] for the op (forward and backward, every layer),
     measured on this model's weights: the cost of keeping torchtitan's parameters as they are."""
@@ -273,6 +321,9 @@ def compare(args, device, progress, cuda_graphs: bool, partial: Path | None = No
         if name == "candidate":
             record["gate_up_concat_seconds_per_step"] = gate_up_concat_seconds(trainer)
         if name != "control":
+            record["routed_experts_seconds_per_layer"] = routed_experts_seconds(trainer)
+            record["moe_layers"] = len(trainer.routed_experts())
+        if name != "control":
             progress(f"  {run.label}: median {record['median_step_seconds'] * 1e3:.1f} ms/step, "
                      f"{record['tokens_per_second']:,.0f} tokens/s, MoE saved {_mib(record['saved_moe_bytes'])} MiB"
                      + (f", peak {_mib(record['peak_memory_bytes'])} MiB" if "peak_memory_bytes" in record else ""))
@@ -332,6 +383,11 @@ def table(result: dict) -> str:
         f"{phase.replace('_', '+')} {seconds * 1e3:.1f}" for phase, seconds in runs[name]["median_phase_seconds"].items())
         for name in ("baseline", "candidate")]
     lines.append("median ms per phase of a step: " + "; ".join(phases))
+    experts = [(runs[name]["dispatcher"], runs[name]["routed_experts_seconds_per_layer"], runs[name]["moe_layers"],
+                runs[name]["median_step_seconds"]) for name in ("baseline", "candidate")]
+    lines.append("routed experts alone, fwd+bwd per layer (balanced routing): " + "; ".join(
+        f"{label} {seconds * 1e3:.2f} ms (x {layers} layers = {100 * seconds * layers / step:.0f}% of its step)"
+        for label, seconds, layers, step in experts))
     concat = runs["candidate"].get("gate_up_concat_seconds_per_step")
     if concat is not None:
         lines.append(f"[w1 | w3] stacking: {concat * 1e3:.2f} ms of each step")
