@@ -34,23 +34,25 @@ import sys
 
 from benchlib.titan_compare import run
 
+from moeblaze_megatron.training.titan_choices import ACTIVATION_CHECKPOINTS, ATTENTIONS, LOSSES
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--family", choices=("qwen3_moe", "tiny"),
                    help="model (training.titan_models.TITAN_FAMILIES); default tiny on CPU, qwen3_moe on GPU")
-    p.add_argument("--attention", choices=("sdpa", "flex"), default="sdpa",
+    p.add_argument("--attention", choices=ATTENTIONS, default="sdpa",
                    help="inner attention of both runs: sdpa (causal, no compilation) or torchtitan's flex "
                    "(block-causal by document, compiled)")
-    p.add_argument("--activation-checkpoint", choices=("none", "selective", "full"), default="none",
+    p.add_argument("--activation-checkpoint", choices=ACTIVATION_CHECKPOINTS, default="none",
                    help="torchtitan's activation checkpointing, the same in every run")
     p.add_argument("--cuda-graphs", choices=("on", "off"),
                    help="torchtitan's CUDA-graph step (its default on CUDA); default on for GPU, off on CPU")
     p.add_argument("--backend", choices=("auto", "triton", "reference"),
                    help="the override's backend; default auto on GPU, reference on CPU")
     p.add_argument("--recompute", choices=("activation", "fc1"), default="activation")
-    p.add_argument("--loss", choices=("auto", "chunked", "plain"), default="auto",
+    p.add_argument("--loss", choices=("auto", *LOSSES), default="auto",
                    help="every run's loss: torchtitan's chunked loss (its Qwen3 configs') or the plain cross "
                    "entropy over whole logits; auto: chunked on torch >= 2.12, plain before (torch 2.11's FSDP2 "
                    "cannot train the chunked loss: training.titan_loop.default_loss)")

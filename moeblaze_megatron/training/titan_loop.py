@@ -38,16 +38,13 @@ from torchtitan.distributed.spmd_types import annotate_input_spmd_types
 from torchtitan.models.common.attention import FlexAttention
 
 from .corpus import BYTE_VOCAB_SIZE, PackedSamples, stdlib_source_files
+from .titan_choices import ACTIVATION_CHECKPOINTS, LOSSES
 from .titan_models import parallelize_qwen3, prepare_model_config, titan_model_config
 
 __all__ = ["ACTIVATION_CHECKPOINTS", "LOSSES", "OVERRIDE_TARGET", "PHASES", "StepResult", "TitanRun",
            "TitanTrainer", "default_loss", "single_process"]
 
 OVERRIDE_TARGET = "moeblaze_megatron.torchtitan.moeblaze_experts"
-ACTIVATION_CHECKPOINTS = ("none", "selective", "full")
-# "chunked": torchtitan's Qwen3 configs' ChunkedLossWrapper (lm_head and the loss applied chunk by
-# chunk); "plain": CrossEntropyLoss over the model's whole logits, torchtitan's other loss config.
-LOSSES = ("chunked", "plain")
 
 
 def default_loss() -> str:
@@ -288,8 +285,8 @@ class TitanTrainer:
         """Free the captured step (its memory pool); later steps run eagerly."""
         if self.run.cuda_graphs and self.device.type == "cuda":
             # torchtitan's teardown, not the wrappers' alone: its manager's warm-up graph keeps the
-            # shared pool, and every block the captured step took, reserved (the H200's memory
-            # search then failed below its budget). The next wrapper sets the manager up again.
+            # shared pool, and every block the captured step took, reserved. The next wrapper sets
+            # the manager up again.
             from torchtitan.distributed import cudagraph
 
             cudagraph.cudagraph_teardown()

@@ -33,11 +33,10 @@ from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 from torchtitan.protocols.model_spec import ModelSpec
 
 from .corpus import BYTE_VOCAB_SIZE
+from .titan_choices import ATTENTIONS
 
 __all__ = ["ATTENTIONS", "TITAN_FAMILIES", "TitanFamily", "prepare_model_config", "titan_model_config",
            "titan_model_spec"]
-
-ATTENTIONS = ("flex", "sdpa")
 
 
 @dataclass(frozen=True)
