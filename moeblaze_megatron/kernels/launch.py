@@ -69,8 +69,12 @@ class _Entry:
     __slots__ = ("function", "kwargs", "metadata", "names", "pre_hook", "run", "tail")
 
     def __init__(self, kernel, compiled, num_args, constexprs):
-        config = kernel.best_config if isinstance(kernel, Autotuner) else None
-        fn = kernel.fn if isinstance(kernel, Autotuner) else kernel
+        if isinstance(kernel, _OneConfig):
+            config, fn = kernel.config, kernel.autotuner.fn
+        elif isinstance(kernel, Autotuner):
+            config, fn = kernel.best_config, kernel.fn
+        else:
+            config, fn = None, kernel
         self.kwargs = {**constexprs, **(config.all_kwargs() if config is not None else {})}
         self.names = fn.arg_names
         # The compiled launcher takes every parameter in order, constexprs included.
@@ -109,9 +113,10 @@ def launch_call(call: KernelCall) -> None:
 def launch(kernel, grid, args, constexprs):
     """``kernel[grid](*args, **constexprs)`` for a ``triton.jit`` kernel or a ``triton.autotune``
     of one; ``args`` are the leading parameters, positional; ``constexprs`` by name; ``grid`` a
-    tuple or a function of the constexprs and the config's values (``meta["BLOCK_M"]``)."""
+    tuple or a function of the constexprs and the config's values (``meta["BLOCK_M"]``).
+    An autotuned launch whose pruning keeps one config runs that config without the autotuner."""
     if KNOBS.interpret or not KNOBS.direct_launch or _hooks_set():
-        kernel[grid](*args, **constexprs)
+        _through_triton(*_one_config(kernel, args, constexprs), grid, args)
         return
     device = torch.cuda.current_device()
     key = (kernel, device, tuple(map(_arg_key, args)), tuple(constexprs.items()))
@@ -119,7 +124,48 @@ def launch(kernel, grid, args, constexprs):
     if entry is not None:
         entry(grid, args, device)
         return
-    compiled = kernel[grid](*args, **constexprs)
+    # The pruning reads the constexprs only (both kernels' rules), so the key decides it too.
+    kernel, constexprs = _one_config(kernel, args, constexprs)
+    compiled = _through_triton(kernel, constexprs, grid, args)
     if len(_entries) >= MAX_ENTRIES:
         _entries.clear()
     _entries[key] = _Entry(kernel, compiled, len(args), constexprs)
+
+
+class _OneConfig(NamedTuple):
+    """An autotuned kernel's one remaining config, launched as its kernel with the config's values:
+    Triton 3.6 would time a lone config, and timing an in-place epilogue (the activation backward)
+    needs a copy of what it overwrites, as large as the layer's pre-activations."""
+
+    autotuner: Autotuner
+    config: triton.Config
+
+
+def _one_config(kernel, args, constexprs):
+    """(kernel, constexprs) to launch: an ``Autotuner`` whose pruning keeps a single config
+    becomes that config's ``_OneConfig`` with the config's values among the constexprs."""
+    if not isinstance(kernel, Autotuner) or kernel.early_config_prune is None:
+        return kernel, constexprs
+    kept = kernel.early_config_prune(kernel.configs, dict(zip(kernel.arg_names, args)), **constexprs)
+    if len(kept) != 1:
+        return kernel, constexprs
+    return _OneConfig(kernel, kept[0]), {**constexprs, **kept[0].all_kwargs()}
+
+
+def _through_triton(kernel, constexprs, grid, args):
+    """The launch through Triton's own path; returns the compiled kernel.
+
+    An autotuner keeps the call's arguments (``nargs``) until the launch returns: a launch that
+    raises (out of memory while tuning) would keep them, and every tensor of the call, alive
+    until its next launch. Here they are dropped either way."""
+    if isinstance(kernel, _OneConfig):
+        autotuner, config = kernel.autotuner, kernel.config
+        if config.pre_hook is not None:
+            config.pre_hook({**dict(zip(autotuner.arg_names, args)), **constexprs})
+        autotuner.best_config = config  # as the autotuner's own launch records it
+        return autotuner.fn[grid](*args, **constexprs)
+    try:
+        return kernel[grid](*args, **constexprs)
+    finally:
+        if isinstance(kernel, Autotuner):
+            kernel.nargs = None

@@ -122,3 +122,32 @@ def test_ds_width_follows_the_activation_backward_tiles(gpu_lists, monkeypatch):
     monkeypatch.setattr(row_gemm.row_gemm_kernel, "configs", configs)
     assert row_gemm.row_gemm_ds_tiles(768) == 768 // cf.ACT_BWD_BLOCK_N == 3
     assert row_gemm.row_gemm_ds_tiles(200) == 1
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_the_in_place_epilogue_is_never_timed(gpu_lists, monkeypatch, activation):
+    # The activation backward overwrites pre with its gradient, and the autotuner keeps no copy to
+    # restore it (a copy the size of the pre-activations, at the step's peak): it must launch its
+    # one config without the autotuner, while the forward's epilogue is still timed.
+    import torch
+
+    from moeblaze_megatron import build_routing_plan
+    from moeblaze_megatron.kernels import launch
+
+    monkeypatch.setattr(row_gemm.row_gemm_kernel, "configs", cf.row_gemm_configs())
+    T, d, h, E = 12, 16, 8, 3
+    width = 2 * h if activation == "swiglu" else h
+    plan = build_routing_plan(torch.rand(T, E).topk(2, dim=1).indices, E)
+    rows = plan.expert_token_indices.shape[0]
+    x, pre, out = torch.randn(T, d), torch.randn(rows, width), torch.empty(rows, h)
+    backward = row_gemm.row_gemm_call(x, torch.randn(E, d, h), out, plan, transpose_weight=False,
+                                      epilogue=cf.EPI_ACT_BWD, activation=activation, pre=pre,
+                                      probs_sorted=torch.rand(rows),
+                                      ds_partial=torch.empty(rows, row_gemm.row_gemm_ds_tiles(h)), n=h)
+    forward = row_gemm.row_gemm_call(x, torch.randn(E, width, d), out, plan, transpose_weight=True,
+                                     epilogue=cf.EPI_ACT_FWD, activation=activation, pre=pre, n=h)
+    kernel, constexprs = launch._one_config(backward.kernel, backward.args, backward.constexprs)
+    assert isinstance(kernel, launch._OneConfig) and kernel.config.kwargs["BLOCK_N"] == cf.ACT_BWD_BLOCK_N
+    assert constexprs["BLOCK_N"] == cf.ACT_BWD_BLOCK_N and constexprs["num_warps"] == kernel.config.num_warps
+    assert launch._one_config(forward.kernel, forward.args, forward.constexprs)[0] is row_gemm.row_gemm_kernel
+    assert not row_gemm.row_gemm_kernel.restore_value and not row_gemm.row_gemm_kernel.reset_to_zero

@@ -54,3 +54,45 @@ def test_launch_runs_tuple_and_callable_grids(programs):
     out.fill_(-1)
     launch_mod.launch(_fill, lambda meta: (launch_mod.cdiv(n, meta["BLOCK"]),), (out, n, 20), {"BLOCK": 4})
     assert out[:n].tolist() == [20 + i // 4 for i in range(n)] and (out[n:] == -1).all()
+
+
+def _timed_once(kernel_call, quantiles):
+    kernel_call()  # the interpreter has no GPU timer: one run, no timing
+    return [1.0, 1.0, 1.0]
+
+
+def _autotuned_fill(prune, hook=None):
+    configs = [triton.Config({"BLOCK": 4}, pre_hook=hook), triton.Config({"BLOCK": 8}, pre_hook=hook)]
+    return triton.autotune(configs=configs, key=["n"], prune_configs_by={"early_config_prune": prune},
+                           do_bench=_timed_once)(_fill)
+
+
+def test_a_lone_config_runs_without_the_autotuner():
+    # Triton 3.6 times even a lone config; an in-place epilogue would need a copy to be timed.
+    hooked = []
+    kernel = _autotuned_fill(lambda configs, named, **kw: configs[1:], hook=lambda nargs: hooked.append(nargs["BLOCK"]))
+    out = torch.full((24,), -1, dtype=torch.int32)
+    launch_mod.launch(kernel, lambda meta: (launch_mod.cdiv(20, meta["BLOCK"]),), (out, 20, 5), {})
+    # BLOCK 8 (the kept config): programs of 8 elements, three of them over 20.
+    assert out[:20].tolist() == [5 + i // 8 for i in range(20)] and (out[20:] == -1).all()
+    assert kernel.cache == {} and hooked == [8] and kernel.best_config.kwargs == {"BLOCK": 8}
+
+
+def test_a_failed_launch_leaves_the_autotuner_none_of_its_tensors(monkeypatch):
+    import gc
+    import weakref
+
+    kernel = _autotuned_fill(lambda configs, named, **kw: configs)  # both configs: the autotuner runs
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+
+    monkeypatch.setattr(kernel.fn, "run", out_of_memory)
+    out = torch.full((16,), -1, dtype=torch.int32)
+    alive = weakref.ref(out)
+    with pytest.raises(torch.OutOfMemoryError, match="raised by the test"):
+        launch_mod.launch(kernel, (2,), (out, 16, 0), {})
+    assert kernel.nargs is None
+    del out
+    gc.collect()
+    assert alive() is None  # a failed memory probe must not keep its buffers for the next one

@@ -34,6 +34,7 @@ SAVED_TOL = 0.02  # the saved bytes are modelled tensor by tensor
 # (some die before others are born); measured 0.89-0.99 of it. A buffer the code holds and the
 # model does not know of shows as measured > model.
 PEAK_RANGE = (0.85, 1.03)
+PEAK_RUNS = 3
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ep_memory_model.py"
 
 
@@ -110,8 +111,20 @@ def _memory_worker(rank, ranks, port):
                 y.backward(grad_y)
                 return saved
 
-            dist.barrier()
-            saved, peak = cpu_peak_bytes(step)
+            # Gloo's worker thread drops its references to a collective's buffers when it gets
+            # to run, which on a loaded CPU can be after the next buffers are born (CI measured
+            # one rank 9% over the model, once). That delay only adds: the least of a few runs is
+            # the code's own peak, and a buffer the code does hold shows in every run.
+            peaks, saves = [], set()
+            for _ in range(PEAK_RUNS):
+                for leaf in leaves:
+                    leaf.grad = None  # every run allocates its gradients afresh
+                dist.barrier()
+                saved, peak = cpu_peak_bytes(step)
+                peaks.append(peak)
+                saves.add(saved)
+            assert len(saves) == 1, f"{mode}: saved bytes differ run to run: {sorted(saves)}"
+            peak = min(peaks)
             hop = expert_hop if mode == "expert_ring" else token_hop if mode == "token_ring" else slots
             counts = Counts(received=received, sent=sent, slots=slots, hop_slots=hop)
             # The op's own peak on a hop of the same rows (a synthetic plan with that many slots).
