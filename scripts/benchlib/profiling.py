@@ -1,6 +1,6 @@
 """Where a layer step's time goes: CUDA time per kernel and the idle gaps between kernels, the
-host's own time per function (cProfile), a labelled profiler timeline of each launch site, and
-which matrix instructions the compiled kernels use.
+host's own time per function (cProfile), a labelled profiler timeline of each launch site,
+which matrix instructions the compiled kernels use, and how much of a first call is compiling.
 
 Each takes ``steps`` (``layer_bench.layer_steps``: ``steps(n)`` runs n forward+backward passes
 of one layer, then synchronizes).
@@ -9,6 +9,7 @@ of one layer, then synchronizes).
 from __future__ import annotations
 
 import cProfile
+import contextlib
 import functools
 import importlib
 import os
@@ -152,3 +153,32 @@ def timeline(prof, step_name):
         lines.append(f"  {kind} +{(e.time_range.start - s0) / 1e3:7.3f} .. +{(e.time_range.end - s0) / 1e3:7.3f}  "
                      f"{e.name[:60]}")
     return lines
+
+
+@contextlib.contextmanager
+def compile_times():
+    """Triton's compilations inside the block, through its compilation listener: a dict with
+    ``kernels`` (compiled, not found in the disk cache), ``cache_hits``, ``seconds`` (all stages)
+    and ``ptxas_seconds`` (the cubin stage, a subprocess). What a first call spends beyond them
+    is the autotuner's timing runs and the step itself."""
+    import triton
+
+    totals = {"kernels": 0, "cache_hits": 0, "seconds": 0.0, "ptxas_seconds": 0.0}
+    previous = triton.knobs.compilation.listener
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit):
+        if previous is not None:
+            previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+        if cache_hit:
+            totals["cache_hits"] += 1
+            return
+        stages = dict(times.lowering_stages)
+        totals["kernels"] += 1
+        totals["seconds"] += (times.ir_initialization + sum(stages.values()) + times.store_results) / 1e6
+        totals["ptxas_seconds"] += stages.get("cubin", 0) / 1e6
+
+    triton.knobs.compilation.listener = listener
+    try:
+        yield totals
+    finally:
+        triton.knobs.compilation.listener = previous

@@ -76,3 +76,31 @@ def test_no_timed_steps_is_refused_by_name():
     returncode, stderr = refusal("--reps", "0")
     assert returncode == 1
     assert re.search("--reps must be at least 1 .*, got 0", stderr), stderr[-2000:]
+
+
+def test_first_call_compile_times_come_from_tritons_listener():
+    import triton
+    from benchlib.layer_bench import _compiled_text
+    from benchlib.profiling import compile_times
+    from triton.knobs import CompileTimes
+
+    seen = []
+
+    def previous(**kw):
+        seen.append(kw["cache_hit"])
+
+    triton.knobs.compilation.listener = previous
+    try:
+        with compile_times() as compiled:
+            listener = triton.knobs.compilation.listener
+            for hit, cubin in ((False, 2_000_000), (True, 0), (False, 500_000)):
+                listener(src=None, metadata={}, metadata_group={}, cache_hit=hit,
+                         times=CompileTimes(ir_initialization=100_000, lowering_stages=[("ttgir", 400_000), ("cubin", cubin)],
+                                            store_results=0))
+        assert triton.knobs.compilation.listener is previous  # the previous listener is back
+    finally:
+        triton.knobs.compilation.listener = None
+    assert seen == [False, True, False]  # and it saw every compilation meanwhile
+    assert compiled == {"kernels": 2, "cache_hits": 1, "seconds": pytest.approx(3.5), "ptxas_seconds": pytest.approx(2.5)}
+    assert _compiled_text({"first_call_compile": compiled}) == " (compiling 3.5 s, ptxas 2.5, 2 kernels)"
+    assert _compiled_text({"first_call_compile": {"kernels": 0}}) == _compiled_text({}) == ""
