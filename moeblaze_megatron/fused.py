@@ -12,6 +12,10 @@ d pre @ fc1 summed per token, the same launch summing the probability gradient's
 The only (T*K, d) tensors are transient: the expert-order outputs reduced right after their GEMM,
 and, for experts at least as wide as the model, one buffer that holds dY, then x, gathered for
 the weight gradients' grouped GEMMs.
+
+fc1 is [E, 2F, D] (gate rows, then up rows) or, for SwiGLU, a (gate, up) pair of [E, F, D]
+tensors, as torchtitan keeps them: the kernels read the two halves where they are, and the
+gradient comes back as a pair too, so nothing of the weights' size is stacked or split.
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ from .kernels.weight_grad import gathered_weight_grad, grouped_weight_grads_appl
 from .routing import RoutingPlan
 
 
+def fc1_width(fc1_weight) -> int:
+    """fc1's output width (2F for SwiGLU), stacked or as a (gate, up) pair."""
+    if isinstance(fc1_weight, tuple):
+        return 2 * fc1_weight[0].shape[1]
+    return fc1_weight.shape[1]
+
+
 def fused_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation, *, save_pre, out_dtype=None):
     """The forward pass over the kernels: ``(y, probs_sorted, pre)``; ``pre`` (the pre-activations,
     for backward) only with ``save_pre``; ``y`` in ``out_dtype`` (x's by default)."""
@@ -32,7 +43,7 @@ def fused_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation, *, sa
     rows_total = plan.expert_token_indices.shape[0]
     hidden = x.shape[1]
     ffn = fc2_weight.shape[2]
-    pre = x.new_empty(rows_total, fc1_weight.shape[1]) if save_pre else None
+    pre = x.new_empty(rows_total, fc1_width(fc1_weight)) if save_pre else None
     h = x.new_empty(rows_total, ffn)
     row_gemm(x, fc1_weight, h, plan, transpose_weight=True, epilogue=EPI_ACT_FWD,
              activation=activation, gather_a=True, pre=pre, store_pre=save_pre, n=ffn)
@@ -46,17 +57,22 @@ def fused_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation, *, sa
 
 def fused_backward(grad_y, x, probs_sorted, fc1_weight, fc2_weight, plan, activation, pre, needs):
     """The backward pass over the kernels: ``(grad_x, grad_probs, grad_fc1, grad_fc2)``, each None
-    where ``needs`` (four bools, in that order) says so. ``probs_sorted``: the probabilities in the
-    plan's expert order; ``pre``: the saved pre-activations, overwritten with their gradient, or
-    None to recompute them (the first GEMM again)."""
+    where ``needs`` (four bools, in that order) says so; ``grad_fc1`` a (gate, up) pair where
+    ``fc1_weight`` is one. ``probs_sorted``: the probabilities in the plan's expert order; ``pre``:
+    the saved pre-activations, overwritten with their gradient, or None to recompute them (the
+    first GEMM again)."""
     need_x, need_probs, need_fc1, need_fc2 = needs
     grad_y = grad_y.contiguous()
     rows_total = plan.expert_token_indices.shape[0]
     hidden = x.shape[1]
     ffn = fc2_weight.shape[2]
+    halves = fc1_weight if isinstance(fc1_weight, tuple) else (fc1_weight,)
     if pre is None:
-        pre = x.new_empty(rows_total, fc1_weight.shape[1])
-        row_gemm(x, fc1_weight, pre, plan, transpose_weight=True, gather_a=True, n=fc1_weight.shape[1])
+        pre = x.new_empty(rows_total, fc1_width(fc1_weight))
+        # A pair: each half into its own columns of pre.
+        width = pre.shape[1] // len(halves)
+        for i, half in enumerate(halves):
+            row_gemm(x, half, pre[:, i * width:], plan, transpose_weight=True, gather_a=True, n=width)
     h_scaled = x.new_empty(rows_total, ffn)
     # The epilogue writes every used row's partials, the only ones read.
     ds_partial = torch.empty(rows_total, row_gemm_ds_tiles(ffn), dtype=torch.float32, device=x.device)
@@ -74,7 +90,11 @@ def fused_backward(grad_y, x, probs_sorted, fc1_weight, fc2_weight, plan, activa
         grad_fc2 = _weight_gradient(fc2_weight, grad_y, h_scaled, plan, gather_a=True, gathered=gathered)
     del h_scaled
     if need_fc1:
-        grad_fc1 = _weight_gradient(fc1_weight, grad_pre, x, plan, gather_a=False, gathered=gathered)
+        width = grad_pre.shape[1] // len(halves)
+        grad_fc1 = tuple(_weight_gradient(half, grad_pre[:, i * width:(i + 1) * width], x, plan, gather_a=False,
+                                          gathered=gathered) for i, half in enumerate(halves))
+        if len(halves) == 1:
+            (grad_fc1,) = grad_fc1
     del gathered
     # probs_sorted has the probabilities' dtype; their gradient comes with dx's combine.
     if need_x:

@@ -25,11 +25,13 @@ Weights and checkpoints: the ``inner_experts`` child is torchtitan's own ``Group
 module, untouched: ``w1_EFD`` (gate) and ``w3_EFD`` (up) [E, F, D] and ``w2_EDF`` [E, D, F], the
 same parameters, FQNs, initializers, sharding configs (``Shard(0)`` over the EP mesh) and
 state-dict keys, so checkpoints (model and optimizer) move freely between stock torchtitan and
-the override. The op takes fc1 as [gate | up] rows [E, 2F, D]: ``torch.cat([w1, w3], 1)`` is
-built inside the autograd function in forward and again in backward (``_SplitGateUpExperts``),
-so no copy of the weights is kept alive between the passes; it costs two reads and one write of
-2*E*F*D elements per pass. Like ``GroupedExperts``, the experts compute in bfloat16 whatever
-the parameter dtype (``expert_dtype="input"`` computes in the input's dtype instead).
+the override. The fused kernels take w1 and w3 as they are (a (gate, up) pair: no stacked copy,
+and their gradients come back as two tensors); the PyTorch reference (the CPU path) takes fc1 as
+[gate | up] rows [E, 2F, D], ``torch.cat([w1, w3], 1)`` built inside the autograd function in
+forward and again in backward (``_SplitGateUpExperts``). Either way only the parameters are
+kept between the passes. Like ``GroupedExperts``, the experts compute in bfloat16 whatever the
+parameter dtype (``expert_dtype="input"`` computes in the input's dtype instead): a cast copy,
+made in each pass, where the parameters are in another dtype.
 """
 
 from __future__ import annotations
@@ -225,14 +227,15 @@ class _InnerContext:
 
 class _SplitGateUpExperts(torch.autograd.Function):
     """Runs the op's autograd Function (TritonMoEMLP or ReferenceMoEMLP: forward(ctx, x, probs,
-    fc1 [E, 2F, D], fc2 [E, D, F], ...)) on torchtitan's separate w1, w3 and w2. The stacked,
-    cast weights are built from the parameters in forward and again in backward; in between,
-    only the parameters themselves are kept (the Function would otherwise keep a copy of
-    2*E*F*D elements, more than all its activations on fine-grained shapes)."""
+    fc1, fc2 [E, D, F], ...)) on torchtitan's separate w1, w3 and w2: fc1 as the (w1, w3) pair
+    for the kernels, stacked [E, 2F, D] for the reference. The weights in the compute dtype are
+    made from the parameters in forward and again in backward; in between, only the parameters
+    themselves are kept (a cast or stacked copy is 2*E*F*D elements, more than all the
+    activations on fine-grained shapes)."""
 
     @staticmethod
     def forward(ctx, function, dtype, x, probs, w1, w3, w2, *rest):
-        fc1, fc2 = _stacked(w1, w3, w2, dtype)
+        fc1, fc2 = _stacked(function, w1, w3, w2, dtype)
         inner = _InnerContext()
         y = function.forward(inner, x, probs, fc1, fc2, *rest)
         saved = list(inner.saved)
@@ -247,7 +250,7 @@ class _SplitGateUpExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         w1, w3, w2, *saved = ctx.saved_tensors
-        stacked = _stacked(w1, w3, w2, ctx.dtype)
+        stacked = _stacked(ctx.function, w1, w3, w2, ctx.dtype)
         for i, which in ctx.weight_slots:
             saved[i] = stacked[which]
         inner = ctx.inner
@@ -259,15 +262,19 @@ class _SplitGateUpExperts(torch.autograd.Function):
         del inner.saved_tensors, stacked
         grad_w1 = grad_w3 = None
         if grad_fc1 is not None:
-            grad_w1, grad_w3 = grad_fc1.split(w1.shape[1], dim=1)
+            # The kernels' gradient is a pair already; the reference's, [E, 2F, D], is split.
+            grad_w1, grad_w3 = grad_fc1 if isinstance(grad_fc1, tuple) else grad_fc1.split(w1.shape[1], dim=1)
         return (None, None, grad_x if need[2] else None, grad_probs if need[3] else None,
                 _as(grad_w1, w1, need[4]), _as(grad_w3, w3, need[5]), _as(grad_fc2, w2, need[6]),
                 *(None,) * ctx.num_rest)
 
 
-def _stacked(w1, w3, w2, dtype):
-    """fc1 = [gate | up] rows [E, 2F, D] and fc2 [E, D, F], in ``dtype``."""
-    return torch.cat([w1, w3], dim=1).to(dtype), w2.to(dtype)
+def _stacked(function, w1, w3, w2, dtype):
+    """(fc1, fc2 [E, D, F]) in ``dtype`` as ``function`` takes them: fc1 as the (gate, up) pair for
+    the kernels, as [gate | up] rows [E, 2F, D] for the reference."""
+    if function is ReferenceMoEMLP:
+        return torch.cat([w1, w3], dim=1).to(dtype), w2.to(dtype)
+    return (w1.to(dtype), w3.to(dtype)), w2.to(dtype)
 
 
 def _as(grad, weight, needed):

@@ -32,13 +32,14 @@ TMA_ROWS_MIN_FLOPS = 2**38
 
 
 def set_row_gemm_boxes(nargs):
-    """Config pre-hook: each descriptor's box is the config's tile of its operand: the weight's,
-    and, for rows in expert order (ragged, led by [1, 1]), A's [BLOCK_M, BLOCK_K] and C's
-    [BLOCK_M, BLOCK_N]."""
+    """Config pre-hook: each descriptor's box is the config's tile of its operand: the weight's
+    (each half's, for a weight in two tensors), and, for rows in expert order (ragged, led by
+    [1, 1]), A's [BLOCK_M, BLOCK_K] and C's [BLOCK_M, BLOCK_N]."""
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
-    b = nargs["b_ptr"]
-    if isinstance(b, TensorDescriptor):
-        b.block_shape = [1, 2, bn, bk] if len(b.shape) == 4 else [1, bn, bk] if nargs["TRANS_B"] else [1, bk, bn]
+    for name in ("b_ptr", "b2_ptr"):  # b2: the up half of a weight in two tensors (or b itself)
+        b = nargs.get(name)
+        if isinstance(b, TensorDescriptor):
+            b.block_shape = [1, 2, bn, bk] if len(b.shape) == 4 else [1, bn, bk] if nargs["TRANS_B"] else [1, bk, bn]
     if isinstance(nargs["a_ptr"], TensorDescriptor):
         nargs["a_ptr"].block_shape = [1, 1, bm, bk]
         nargs["c_ptr"].block_shape = [1, 1, bm, bn]

@@ -9,7 +9,8 @@ weight tile twice as wide, so x is read once and silu(gate) * up is formed in re
 two halves of one accumulator); the activation backward (silu recomputed from the saved
 pre-activations, the router-probability gradient as a row dot product, the probability scaling).
 The weight comes through a TMA descriptor on Hopper; so do A and C of the large plain GEMMs over
-rows in expert order (fc2, dX), through ragged ones.
+rows in expert order (fc2, dX), through ragged ones. fc1 may come as two tensors, gate and up
+(torchtitan's w1 and w3; ``SPLIT_B``), read where they are: no stacked copy.
 
 Row tiles never straddle two experts: row-tile i is mapped to its expert inside the kernel from
 ``expert_token_offsets``, so no host synchronization is needed and the grid is an upper bound
@@ -109,7 +110,7 @@ def _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl
 )
 @triton.jit
 def row_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr,
+    a_ptr, b_ptr, b2_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr,
     token_idx_ptr, offsets_ptr,
     rows_total, rows_bucket, N, K, E,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn,
@@ -118,7 +119,7 @@ def row_gemm_kernel(
     MEND_BF16: tl.constexpr, PRECISION: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TMA_B: tl.constexpr = False, TRANS_B: tl.constexpr = False, TMA_ROWS: tl.constexpr = False,
-    PERSISTENT: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False, SPLIT_B: tl.constexpr = False,
 ):
     """C = A[src] @ B[e] per expert row tile, then the epilogue.
 
@@ -132,6 +133,9 @@ def row_gemm_kernel(
     forward's gate and up halves) or [E, K, N]; the hardware zero-fills past N and K.
     TMA_ROWS (EPI_STORE, A in expert order): A and C are ragged TMA descriptors over the rows; the
     hardware reads zeros and drops writes past the tile's expert, as the masks do for pointers.
+    SPLIT_B: the weight comes as two halves of the same shape and strides, b (gate) and b2 (up),
+    as torchtitan keeps them: the SwiGLU forward multiplies by each into its own accumulator; a
+    plain GEMM (dX) reduces over A's first K/2 columns against b, then the rest against b2.
     """
     n_tiles = tl.cdiv(N, BLOCK_N)
     # (One call per branch: a one-trip loop around the per-tile launch's call compiles to other
@@ -139,27 +143,28 @@ def row_gemm_kernel(
     if PERSISTENT:
         m_tiles = _row_tiles(offsets_ptr, E, BLOCK_M, E_POW2)
         for pid in tl.range(tl.program_id(0), m_tiles * n_tiles, tl.num_programs(0), flatten=True):
-            _row_gemm_tile(pid, m_tiles, n_tiles, a_ptr, b_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr,
-                           offsets_ptr, N, K, E, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+            _row_gemm_tile(pid, m_tiles, n_tiles, a_ptr, b_ptr, b2_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr,
+                           token_idx_ptr, offsets_ptr, N, K, E, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
                            stride_cm, stride_pm, stride_dsm, EPILOGUE, ACT, GATHER_A, STORE_PRE, MEND_BF16,
                            PRECISION, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_B, TRANS_B, TMA_ROWS,
-                           PERSISTENT)
+                           PERSISTENT, SPLIT_B)
     else:
-        _row_gemm_tile(tl.program_id(0), tl.cdiv(rows_total, BLOCK_M) + E, n_tiles, a_ptr, b_ptr, c_ptr, pre_ptr,
-                       probs_ptr, ds_ptr, token_idx_ptr, offsets_ptr, N, K, E, stride_am, stride_ak,
+        _row_gemm_tile(tl.program_id(0), tl.cdiv(rows_total, BLOCK_M) + E, n_tiles, a_ptr, b_ptr, b2_ptr, c_ptr,
+                       pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, offsets_ptr, N, K, E, stride_am, stride_ak,
                        stride_be, stride_bk, stride_bn, stride_cm, stride_pm, stride_dsm, EPILOGUE, ACT, GATHER_A,
                        STORE_PRE, MEND_BF16, PRECISION, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_B, TRANS_B,
-                       TMA_ROWS, PERSISTENT)
+                       TMA_ROWS, PERSISTENT, SPLIT_B)
 
 
 @triton.jit
 def _row_gemm_tile(
-    pid, m_tiles, n_tiles, a_ptr, b_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, offsets_ptr,
+    pid, m_tiles, n_tiles, a_ptr, b_ptr, b2_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, offsets_ptr,
     N, K, E, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_pm, stride_dsm,
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATHER_A: tl.constexpr, STORE_PRE: tl.constexpr,
     MEND_BF16: tl.constexpr, PRECISION: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TMA_B: tl.constexpr, TRANS_B: tl.constexpr, TMA_ROWS: tl.constexpr, PERSISTENT: tl.constexpr,
+    SPLIT_B: tl.constexpr,
 ):
     """Output tile ``pid`` of ``m_tiles`` x ``n_tiles`` (row tiles grouped by GROUP_M)."""
     GLU: tl.constexpr = ACT == 0 and EPILOGUE != 0
@@ -183,39 +188,30 @@ def _row_gemm_tile(
         col_ok = cols < N
         # The SwiGLU forward multiplies by the gate columns and the up columns N further on as one
         # [BLOCK_K, 2 * BLOCK_N] tile: one matrix-instruction chain twice as wide, x read once.
-        B_COLS: tl.constexpr = 2 * BLOCK_N if GLU and EPILOGUE == 1 else BLOCK_N
-        if GLU and EPILOGUE == 1:
+        # Halves in two tensors (SPLIT_B) take one chain each, into two accumulators.
+        TWO_ACC: tl.constexpr = SPLIT_B and GLU and EPILOGUE == 1
+        B_COLS: tl.constexpr = 2 * BLOCK_N if GLU and EPILOGUE == 1 and not SPLIT_B else BLOCK_N
+        if GLU and EPILOGUE == 1 and not SPLIT_B:
             j = tl.arange(0, B_COLS)
             b_cols = pid_n * BLOCK_N + j + (j // BLOCK_N) * (N - BLOCK_N)
             b_col_ok = pid_n * BLOCK_N + j % BLOCK_N < N
         else:
             b_cols = cols
             b_col_ok = col_ok
-        ks = tl.arange(0, BLOCK_K)
-        if not TMA_ROWS:
-            a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :] * stride_ak
-        if not TMA_B:
-            b_ptrs = b_ptr + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + b_cols[None, :].to(tl.int64) * stride_bn
         acc = tl.zeros((BLOCK_M, B_COLS), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = ks < K - k0
-            if TMA_ROWS:
-                a = load_ragged(a_ptr, row_lo, row_end - row_lo, [row0 - row_lo, k0])
-            else:
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if TMA_B and B_COLS != BLOCK_N:
-                b = tl.trans(tl.reshape(b_ptr.load([e, 0, pid_n * BLOCK_N, k0]), (B_COLS, BLOCK_K)))
-            elif TMA_B and TRANS_B:
-                b = tl.trans(tl.reshape(b_ptr.load([e, pid_n * BLOCK_N, k0]), (BLOCK_N, BLOCK_K)))
-            elif TMA_B:
-                b = tl.reshape(b_ptr.load([e, k0, pid_n * BLOCK_N]), (BLOCK_K, BLOCK_N))
-            else:
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & b_col_ok[None, :], other=0.0)
-            acc = dot(a, b, acc, PRECISION)
-            if not TMA_ROWS:
-                a_ptrs += BLOCK_K * stride_ak
-            if not TMA_B:
-                b_ptrs += BLOCK_K * stride_bk
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N if TWO_ACC else 1), dtype=tl.float32)
+        if SPLIT_B and not TWO_ACC:
+            # A's first K/2 columns against b, the rest against b2.
+            acc, acc2 = _k_loop(acc, acc2, a_ptr, b_ptr, b_ptr, e, src, row_lo, row0, row_end, row_ok, b_cols,
+                                b_col_ok, pid_n, 0, K // 2, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                                PRECISION, BLOCK_N, BLOCK_K, B_COLS, TMA_B, TRANS_B, TMA_ROWS, False)
+            acc, acc2 = _k_loop(acc, acc2, a_ptr, b2_ptr, b2_ptr, e, src, row_lo, row0, row_end, row_ok, b_cols,
+                                b_col_ok, pid_n, K // 2, K // 2, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                                PRECISION, BLOCK_N, BLOCK_K, B_COLS, TMA_B, TRANS_B, TMA_ROWS, False)
+        else:
+            acc, acc2 = _k_loop(acc, acc2, a_ptr, b_ptr, b2_ptr, e, src, row_lo, row0, row_end, row_ok, b_cols,
+                                b_col_ok, pid_n, 0, K, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                                PRECISION, BLOCK_N, BLOCK_K, B_COLS, TMA_B, TRANS_B, TMA_ROWS, TWO_ACC)
 
         out_dtype = c_ptr.dtype if TMA_ROWS else c_ptr.dtype.element_ty
         r64 = rows.to(tl.int64)
@@ -233,7 +229,10 @@ def _row_gemm_tile(
         elif EPILOGUE == 1:
             # Round to the storage dtype first: backward recomputes from the stored values.
             if GLU:
-                acc_gate, acc_up = _column_halves(acc, BLOCK_M, 2 * BLOCK_N)
+                if TWO_ACC:
+                    acc_gate, acc_up = acc, acc2
+                else:
+                    acc_gate, acc_up = _column_halves(acc, BLOCK_M, 2 * BLOCK_N)
                 gate = to_storage(acc_gate, out_dtype, MEND_BF16)
                 up = to_storage(acc_up, out_dtype, MEND_BF16)
                 if STORE_PRE:
@@ -255,6 +254,51 @@ def _row_gemm_tile(
             ds = _act_bwd_epilogue(to_storage(acc, out_dtype, MEND_BF16), p, r64, row_ok, pid_n * BLOCK_N, N,
                                    c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU, MEND_BF16, BLOCK_M, BLOCK_N)
             tl.store(ds_ptr + r64 * stride_dsm + pid_n, ds, mask=row_ok)
+
+
+@triton.jit
+def _k_loop(acc, acc2, a_ptr, b_ptr, b2_ptr, e, src, row_lo, row0, row_end, row_ok, b_cols, b_col_ok, pid_n,
+            a_col0, k_len, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+            PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_COLS: tl.constexpr,
+            TMA_B: tl.constexpr, TRANS_B: tl.constexpr, TMA_ROWS: tl.constexpr, TWO_ACC: tl.constexpr):
+    """The main loop over k_len columns of A from a_col0 (rows of B from 0): acc += A @ B, and with
+    TWO_ACC acc2 += A @ B2 (the same A tile)."""
+    ks = tl.arange(0, BLOCK_K)
+    if not TMA_ROWS:
+        a_ptrs = a_ptr + src[:, None] * stride_am + (a_col0 + ks)[None, :] * stride_ak
+    if not TMA_B:
+        b_offsets = e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + b_cols[None, :].to(tl.int64) * stride_bn
+        b_ptrs = b_ptr + b_offsets
+        if TWO_ACC:
+            b2_ptrs = b2_ptr + b_offsets
+    for k0 in range(0, k_len, BLOCK_K):
+        k_ok = ks < k_len - k0
+        if TMA_ROWS:
+            a = load_ragged(a_ptr, row_lo, row_end - row_lo, [row0 - row_lo, a_col0 + k0])
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if TMA_B and B_COLS != BLOCK_N:
+            b = tl.trans(tl.reshape(b_ptr.load([e, 0, pid_n * BLOCK_N, k0]), (B_COLS, BLOCK_K)))
+        elif TMA_B and TRANS_B:
+            b = tl.trans(tl.reshape(b_ptr.load([e, pid_n * BLOCK_N, k0]), (BLOCK_N, BLOCK_K)))
+        elif TMA_B:
+            b = tl.reshape(b_ptr.load([e, k0, pid_n * BLOCK_N]), (BLOCK_K, BLOCK_N))
+        else:
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & b_col_ok[None, :], other=0.0)
+        acc = dot(a, b, acc, PRECISION)
+        if TWO_ACC:
+            if TMA_B:
+                b2 = tl.trans(tl.reshape(b2_ptr.load([e, pid_n * BLOCK_N, k0]), (BLOCK_N, BLOCK_K)))
+            else:
+                b2 = tl.load(b2_ptrs, mask=k_ok[:, None] & b_col_ok[None, :], other=0.0)
+            acc2 = dot(a, b2, acc2, PRECISION)
+        if not TMA_ROWS:
+            a_ptrs += BLOCK_K * stride_ak
+        if not TMA_B:
+            b_ptrs += BLOCK_K * stride_bk
+            if TWO_ACC:
+                b2_ptrs += BLOCK_K * stride_bk
+    return acc, acc2
 
 
 @triton.jit
@@ -341,7 +385,9 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
                   gather_a=True, pre=None, store_pre=True, probs_sorted=None, ds_partial=None, n=None,
                   tma_weight=None, tma_rows=None) -> KernelCall:
     """The launch of ``row_gemm_kernel`` over ``n`` output columns; ``weight`` is [E, out, in]
-    (``transpose_weight``: multiply by its transpose, as nn.Linear does) or [E, in, out].
+    (``transpose_weight``: multiply by its transpose, as nn.Linear does) or [E, in, out], or a
+    (gate, up) pair of halves of one shape and strides (``split_halves`` says which launches take
+    it) standing for the two stacked along the halved dimension.
     ``ds_partial`` (activation backward): float32, ``row_gemm_ds_tiles(n)`` wide; every used row's
     partials are written (the rows of unused slots, past the plan's last offset, are not).
     ``tma_weight``: read the weight through a TMA descriptor where the hardware and the tensor
@@ -353,22 +399,30 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
     rows_total = plan.expert_token_indices.shape[0]
     num_experts = plan.num_experts
     k_dim = a.shape[1]
-    b = weight
+    split = isinstance(weight, tuple)
+    if split:
+        weight, up = split_halves(weight, epilogue, activation, transpose_weight)
+        # The SwiGLU forward: n columns of each half over k_dim; a plain GEMM: k_dim = both halves' rows.
+        expected = (n, k_dim) if transpose_weight else (k_dim // 2, n)
+        if tuple(weight.shape[1:]) != expected or (not transpose_weight and k_dim % 2):
+            raise ValueError(f"row_gemm: each half of the weight pair must be [E, {expected[0]}, {expected[1]}] "
+                             f"for A of width {k_dim} and n={n}, got {tuple(weight.shape)}")
+    b, b2 = weight, (up if split else weight)
     if tma_weight is None:
-        tma_weight = tma_takes(weight)
-    elif tma_weight and not tma_takes(weight):
+        tma_weight = tma_takes(weight) and (not split or tma_takes(up))
+    elif tma_weight and not (tma_takes(weight) and (not split or tma_takes(up))):
         raise ValueError(f"row_gemm(tma_weight=True): weight must be on a GPU of compute capability 9.0 or newer, "
                          f"have unit last stride and 16-byte aligned strides and start; got strides "
                          f"{weight.stride()} on {weight.device}")
     if tma_weight:
         # The box is the first config's weight tile; the configs' pre-hook resizes it to each one's.
         kw = row_gemm_kernel.configs[0].kwargs
-        if epilogue == EPI_ACT_FWD and activation == "swiglu":
+        if epilogue == EPI_ACT_FWD and activation == "swiglu" and not split:
             b = TensorDescriptor.from_tensor(weight.view(num_experts, 2, n, k_dim), [1, 2, kw["BLOCK_N"], kw["BLOCK_K"]])
-        elif transpose_weight:
-            b = TensorDescriptor.from_tensor(weight, [1, kw["BLOCK_N"], kw["BLOCK_K"]])
         else:
-            b = TensorDescriptor.from_tensor(weight, [1, kw["BLOCK_K"], kw["BLOCK_N"]])
+            box = [1, kw["BLOCK_N"], kw["BLOCK_K"]] if transpose_weight else [1, kw["BLOCK_K"], kw["BLOCK_N"]]
+            b = TensorDescriptor.from_tensor(weight, box)
+            b2 = TensorDescriptor.from_tensor(up, box) if split else b
     if transpose_weight:
         stride_bk, stride_bn = weight.stride(2), weight.stride(1)
     else:
@@ -399,7 +453,7 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
         return (min(tiles, sm_count(device)),) if meta.get("PERSISTENT") else (tiles,)
 
     args = (
-        a_arg, b, c_arg, pre if pre is not None else out,
+        a_arg, b, b2, c_arg, pre if pre is not None else out,
         probs_sorted if probs_sorted is not None else out,
         ds_partial if ds_partial is not None else out,
         plan.expert_token_indices, plan.expert_token_offsets,
@@ -411,9 +465,28 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
     constexprs = dict(
         EPILOGUE=epilogue, ACT=ACTIVATION_IDS[activation], GATHER_A=gather_a, STORE_PRE=store_pre,
         MEND_BF16=mend, PRECISION=precision, E_POW2=max(next_pow2(num_experts + 1), 16),
-        TMA_B=tma_weight, TRANS_B=tma_weight and transpose_weight, TMA_ROWS=tma_rows,
+        TMA_B=tma_weight, TRANS_B=tma_weight and transpose_weight, TMA_ROWS=tma_rows, SPLIT_B=split,
     )
     return KernelCall(row_gemm_kernel, grid, args, constexprs)
+
+
+def split_halves(halves, epilogue, activation, transpose_weight):
+    """The (gate, up) halves of a weight given in two tensors, checked: the launches that take
+    them are the SwiGLU forward (``transpose_weight``, [E, F, D] each: F output columns of gate
+    and of up) and a plain GEMM reducing over both halves (not ``transpose_weight``, [E, F, D]
+    each: A's 2F columns, gate's first)."""
+    takes = (epilogue == EPI_ACT_FWD and activation == "swiglu" and transpose_weight) or (
+        epilogue == EPI_STORE and not transpose_weight)
+    if not takes:
+        raise ValueError(f"row_gemm: a (gate, up) weight pair serves the SwiGLU forward (transpose_weight=True) and "
+                         f"a plain GEMM over both halves (transpose_weight=False), got epilogue {epilogue}, "
+                         f"activation {activation!r}, transpose_weight={transpose_weight}")
+    gate, up = halves
+    if gate.shape != up.shape or gate.stride() != up.stride() or gate.dtype != up.dtype or gate.device != up.device:
+        raise ValueError(f"row_gemm: the gate and up halves must match in shape, strides, dtype and device; got "
+                         f"{tuple(gate.shape)}/{gate.stride()}/{gate.dtype}/{gate.device} and "
+                         f"{tuple(up.shape)}/{up.stride()}/{up.dtype}/{up.device}")
+    return gate, up
 
 
 def expert_order_gemm(a, weight, plan, *, transpose_weight, n):

@@ -241,26 +241,6 @@ def routed_experts_seconds(trainer, repeats: int = 10, warmup: int = 3) -> float
     return statistics.median(times)
 
 
-def gate_up_concat_seconds(trainer, repeats: int = 20) -> float | None:
-    """Seconds a step spends stacking [w1 | w3] for the op (forward and backward, every layer),
-    measured on this model's weights: the cost of keeping torchtitan's parameters as they are."""
-    import torch
-
-    if trainer.device.type != "cuda":
-        return None
-    layers = trainer.routed_experts()
-    w1, w3 = (getattr(layers[0].inner_experts, n) for n in ("w1_EFD", "w3_EFD"))
-    w1, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (w1, w3))
-    w1, w3 = w1.detach().bfloat16(), w3.detach().bfloat16()
-    torch.cat([w1, w3], dim=1)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        torch.cat([w1, w3], dim=1)
-    torch.cuda.synchronize()
-    return 2 * len(layers) * (time.perf_counter() - start) / repeats
-
-
 def environment(device, stand_in: bool) -> dict:
     import torch
     import torchtitan
@@ -318,8 +298,6 @@ def compare(args, device, progress, cuda_graphs: bool, partial: Path | None = No
         record["median_phase_seconds"] = {phase: statistics.median(times[args.warmup:])
                                           for phase, times in record["phase_seconds"].items()}
         result["runs"][name] = record
-        if name == "candidate":
-            record["gate_up_concat_seconds_per_step"] = gate_up_concat_seconds(trainer)
         if name != "control":
             record["routed_experts_seconds_per_layer"] = routed_experts_seconds(trainer)
             record["moe_layers"] = len(trainer.routed_experts())
@@ -388,9 +366,6 @@ def table(result: dict) -> str:
     lines.append("routed experts alone, fwd+bwd per layer (balanced routing): " + "; ".join(
         f"{label} {seconds * 1e3:.2f} ms (x {layers} layers = {100 * seconds * layers / step:.0f}% of its step)"
         for label, seconds, layers, step in experts))
-    concat = runs["candidate"].get("gate_up_concat_seconds_per_step")
-    if concat is not None:
-        lines.append(f"[w1 | w3] stacking: {concat * 1e3:.2f} ms of each step")
     lines.append(f"losses {'agree' if check['passed'] else 'DIVERGE'}: worst |moeblaze - stock| / tolerance = "
                  f"{check['worst_diff_over_tolerance']:.2f} over {len(check['steps'])} steps")
     return "\n".join(lines)

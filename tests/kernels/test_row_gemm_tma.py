@@ -123,7 +123,7 @@ def test_default_takes_descriptors_for_large_plain_gemms_in_expert_order(case, m
     taken = []
     monkeypatch.setattr(rg, "launch_call", lambda call: taken.append(
         (call.constexprs["TMA_ROWS"], isinstance(call.args[0], TensorDescriptor),
-         isinstance(call.args[2], TensorDescriptor))))
+         isinstance(call.args[3], TensorDescriptor))))
     rg.row_gemm(torch.randn(T, k), torch.randn(E, n, k), out, plan, transpose_weight=True, n=n,
                 gather_a=case == "gathered_a")
     assert taken == [(case == "large",) * 3]

@@ -171,3 +171,29 @@ def test_refusals_name_what_is_not_supported():
     assert isinstance(experts, MoEBlazeRoutedExperts)
     with pytest.raises(ValueError, match="tensor_parallel_degree=2 without expert parallelism"):
         experts.parallelize(types.SimpleNamespace(tp=2, ep=1))
+
+
+def test_fused_kernels_take_w1_and_w3_where_they_are(monkeypatch):
+    """The kernels read torchtitan's w1 and w3 themselves (a (gate, up) pair): no stacked copy of
+    the weights in either pass, and the gradients come back as two tensors of the parameters'
+    layout (nothing for autograd to copy into place)."""
+    from moeblaze_megatron import fused
+
+    seen = []
+    for name, fc1_at in (("fused_forward", 2), ("fused_backward", 3)):
+        original = getattr(fused, name)
+
+        def spy(*args, _original=original, _at=fc1_at, **kwargs):
+            seen.append(args[_at])
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(fused, name, spy)
+    state = global_state("softmax_top2", SEED)
+    x, grad_y = layer_inputs(0, SEED)
+    moe = with_override(make_moe_config("softmax_top2"), backend="triton", expert_dtype="input").build()
+    moe.load_state_dict(state)
+    moe(x.clone().requires_grad_()).backward(grad_y)
+    experts = moe.routed_experts.inner_experts
+    w1, w3 = experts.w1_EFD, experts.w3_EFD
+    assert len(seen) == 2 and all(isinstance(fc1, tuple) and fc1[0] is w1 and fc1[1] is w3 for fc1 in seen)
+    assert w1.grad.is_contiguous() and w3.grad.is_contiguous() and torch.isfinite(w1.grad).all()
