@@ -18,6 +18,10 @@ MOEBLAZE_DIRECT_LAUNCH=0 (``KNOBS.direct_launch``).
 A launcher that benchmarks also run with one fixed config builds a ``KernelCall`` (kernel, grid,
 arguments, constexprs) and hands it to ``launch_call``; ``tuning.run_with_config`` runs the same
 call with a config of its choosing.
+
+An autotuned launch whose pruning keeps one config (the activation backward always; every launch
+under MOEBLAZE_AUTOTUNE=0 or the interpreter) runs that config directly, untimed: Triton 3.6 would
+time it, and timing an in-place epilogue needs a copy of what it overwrites.
 """
 
 from __future__ import annotations
