@@ -42,7 +42,7 @@ def _nan(*shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype)
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("tma", [False, True, "rows"], ids=["pointers", "descriptors", "descriptors_and_ragged_rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind,T,E,K,F", CASES, ids=CASE_IDS)
 def test_halves_match_float64_and_the_stacked_weight(kind, T, E, K, F, dtype, tma):
@@ -52,8 +52,10 @@ def test_halves_match_float64_and_the_stacked_weight(kind, T, E, K, F, dtype, tm
     for weight in ((w1, w3), torch.cat([w1, w3], dim=1)):
         pre, h, dx = _nan(rows, 2 * F, dtype=dtype), _nan(rows, F, dtype=dtype), _nan(rows, d, dtype=dtype)
         rg.row_gemm(x, weight, h, plan, transpose_weight=True, epilogue=rg.EPI_ACT_FWD, activation="swiglu",
-                    pre=pre, n=F, tma_weight=tma)
-        rg.row_gemm(grad_pre, weight, dx, plan, transpose_weight=False, gather_a=False, n=d, tma_weight=tma)
+                    pre=pre, n=F, tma_weight=bool(tma))
+        # "rows": dX's A (both halves' columns) and output through ragged descriptors too.
+        rg.row_gemm(grad_pre, weight, dx, plan, transpose_weight=False, gather_a=False, n=d, tma_weight=bool(tma),
+                    tma_rows=tma == "rows" and plan.expert_token_offsets[-1].item() > 0)
         results.append((pre, h, dx))
     (pre, h, dx), stacked = results
     used = plan.expert_token_offsets[-1].item()
