@@ -4,6 +4,9 @@
 the first call of each shape (seconds per shape; the tuned configs are up to ~1.5x faster).
 ``MOEBLAZE_DIRECT_LAUNCH=0``: every launch goes through Triton's own launch path (the same
 kernels and results, more host time per launch; see launch.py).
+``MOEBLAZE_COMPILE_THREADS=N``: threads that compile an autotuned launch's configs side by side
+before the autotuner times them (default: the CPU count, at most 8; 0 or 1 compiles them one by
+one, as Triton does).
 ``TRITON_INTERPRET=1``: Triton runs the kernels on CPU tensors in its interpreter (how CI tests
 them); Triton itself reads it when a kernel is decorated, so it must be set before the import.
 
@@ -25,6 +28,7 @@ class Knobs:
     autotune: bool = True
     direct_launch: bool = True
     interpret: bool = False
+    compile_threads: int = 1
 
 
 def _flag(environ: Mapping[str, str], name: str, default: str) -> bool:
@@ -34,11 +38,21 @@ def _flag(environ: Mapping[str, str], name: str, default: str) -> bool:
     return value == "1"
 
 
+def _count(environ: Mapping[str, str], name: str, default: int) -> int:
+    value = environ.get(name)
+    if value is None:
+        return default
+    if not value.isdigit():
+        raise ValueError(f"{name} must be a whole number (0 or more), got {value!r}")
+    return int(value)
+
+
 def read_knobs(environ: Mapping[str, str]) -> Knobs:
-    """The knobs an environment sets; a ValueError naming a knob set to anything but 0 or 1."""
+    """The knobs an environment sets; a ValueError naming a knob set to something it cannot take."""
     return Knobs(
         autotune=_flag(environ, "MOEBLAZE_AUTOTUNE", "1"),
         direct_launch=_flag(environ, "MOEBLAZE_DIRECT_LAUNCH", "1"),
+        compile_threads=_count(environ, "MOEBLAZE_COMPILE_THREADS", min(8, os.cpu_count() or 1)),
         # Triton's own reading: anything but "1" runs the compiled kernels.
         interpret=environ.get("TRITON_INTERPRET") == "1",
     )

@@ -21,7 +21,9 @@ call with a config of its choosing.
 
 An autotuned launch whose pruning keeps one config (the activation backward always; every launch
 under MOEBLAZE_AUTOTUNE=0 or the interpreter) runs that config directly, untimed: Triton 3.6 would
-time it, and timing an in-place epilogue needs a copy of what it overwrites.
+time it, and timing an in-place epilogue needs a copy of what it overwrites. One that keeps more
+has them compiled side by side before the autotuner times them (``compile_ahead``,
+MOEBLAZE_COMPILE_THREADS).
 """
 
 from __future__ import annotations
@@ -169,7 +171,53 @@ def _through_triton(kernel, constexprs, grid, args):
         autotuner.best_config = config  # as the autotuner's own launch records it
         return autotuner.fn[grid](*args, **constexprs)
     try:
+        if isinstance(kernel, Autotuner):
+            compile_ahead(kernel, grid, args, constexprs)
         return kernel[grid](*args, **constexprs)
     finally:
         if isinstance(kernel, Autotuner):
             kernel.nargs = None
+
+
+_compile_pool = None
+
+
+def compile_ahead(autotuner, grid, args, constexprs) -> int:
+    """Compile, side by side in ``KNOBS.compile_threads`` threads (Triton's ``AsyncCompileMode``),
+    every config the autotuner is about to time for a new tuning key, instead of one by one as
+    it times them; returns how many configs it handed to the compiler (0 where the key is tuned
+    already, one config or none is kept, or the knob says 1 or 0). Compiling releases the GIL
+    for most of its time: 14 of a layer's configs, 4.6-5.0 s one by one, 2.6-2.7 s from two
+    threads on two cores (Triton 3.6, benchmarks/NOTES.md). A config that fails to compile is
+    left for the autotuner, which reports or skips it as it would have."""
+    global _compile_pool
+    if KNOBS.interpret or KNOBS.compile_threads < 2 or autotuner.early_config_prune is None:
+        return 0
+    named = dict(zip(autotuner.arg_names, args))
+    if _tuning_key(autotuner, named, constexprs) in autotuner.cache:
+        return 0
+    kept = autotuner.early_config_prune(autotuner.configs, named, **constexprs)
+    if len(kept) < 2:
+        return 0
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    if _compile_pool is None:
+        _compile_pool = ThreadPoolExecutor(KNOBS.compile_threads, thread_name_prefix="moeblaze-compile")
+    with AsyncCompileMode(_compile_pool, ignore_errors=True):
+        for config in kept:
+            values = {**constexprs, **config.all_kwargs()}
+            if config.pre_hook is not None:  # the config's TMA boxes: part of what is compiled
+                config.pre_hook({**named, **values})
+            autotuner.fn.warmup(*args, grid=grid, **values)
+    return len(kept)
+
+
+def _tuning_key(autotuner, named, constexprs) -> tuple:
+    """The key Triton's autotuner files a launch's tuned config under (its ``run``): the key
+    arguments' values, then every tensor argument's dtype."""
+    values = {name: value for name, value in {**named, **constexprs}.items() if name in autotuner.arg_names}
+    key = [values[name] for name in autotuner.keys if name in values]
+    key += [str(value.dtype) for value in values.values() if hasattr(value, "dtype")]
+    return tuple(key)
