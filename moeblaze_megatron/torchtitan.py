@@ -235,11 +235,11 @@ class _SplitGateUpExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, function, dtype, x, probs, w1, w3, w2, *rest):
-        fc1, fc2 = _stacked(function, w1, w3, w2, dtype)
+        fc1, fc2 = _compute_weights(function, w1, w3, w2, dtype)
         inner = _InnerContext()
         y = function.forward(inner, x, probs, fc1, fc2, *rest)
         saved = list(inner.saved)
-        # Slots holding the stacked weights are rebuilt in backward.
+        # Slots holding the weights in the compute dtype are rebuilt in backward.
         ctx.weight_slots = [(i, 0 if t is fc1 else 1) for i, t in enumerate(saved) if t is fc1 or t is fc2]
         for i, _ in ctx.weight_slots:
             saved[i] = None
@@ -250,16 +250,16 @@ class _SplitGateUpExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         w1, w3, w2, *saved = ctx.saved_tensors
-        stacked = _stacked(ctx.function, w1, w3, w2, ctx.dtype)
+        weights = _compute_weights(ctx.function, w1, w3, w2, ctx.dtype)
         for i, which in ctx.weight_slots:
-            saved[i] = stacked[which]
+            saved[i] = weights[which]
         inner = ctx.inner
         inner.saved_tensors = tuple(saved)
         need = ctx.needs_input_grad
         # Inner inputs: x, probs, fc1, fc2, then the rest (never differentiable).
         inner.needs_input_grad = (need[2], need[3], need[4] or need[5], need[6], *(False,) * ctx.num_rest)
         grad_x, grad_probs, grad_fc1, grad_fc2 = ctx.function.backward(inner, grad_y)[:4]
-        del inner.saved_tensors, stacked
+        del inner.saved_tensors, weights
         grad_w1 = grad_w3 = None
         if grad_fc1 is not None:
             # The kernels' gradient is a pair already; the reference's, [E, 2F, D], is split.
@@ -269,7 +269,7 @@ class _SplitGateUpExperts(torch.autograd.Function):
                 *(None,) * ctx.num_rest)
 
 
-def _stacked(function, w1, w3, w2, dtype):
+def _compute_weights(function, w1, w3, w2, dtype):
     """(fc1, fc2 [E, D, F]) in ``dtype`` as ``function`` takes them: fc1 as the (gate, up) pair for
     the kernels, as [gate | up] rows [E, 2F, D] for the reference."""
     if function is ReferenceMoEMLP:

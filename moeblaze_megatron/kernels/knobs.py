@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["KNOBS", "Knobs", "read_knobs"]
+
+
+def default_compile_threads() -> int:
+    return min(8, os.cpu_count() or 1)
 
 
 @dataclass
@@ -28,7 +32,7 @@ class Knobs:
     autotune: bool = True
     direct_launch: bool = True
     interpret: bool = False
-    compile_threads: int = 1
+    compile_threads: int = field(default_factory=default_compile_threads)
 
 
 def _flag(environ: Mapping[str, str], name: str, default: str) -> bool:
@@ -52,7 +56,7 @@ def read_knobs(environ: Mapping[str, str]) -> Knobs:
     return Knobs(
         autotune=_flag(environ, "MOEBLAZE_AUTOTUNE", "1"),
         direct_launch=_flag(environ, "MOEBLAZE_DIRECT_LAUNCH", "1"),
-        compile_threads=_count(environ, "MOEBLAZE_COMPILE_THREADS", min(8, os.cpu_count() or 1)),
+        compile_threads=_count(environ, "MOEBLAZE_COMPILE_THREADS", default_compile_threads()),
         # Triton's own reading: anything but "1" runs the compiled kernels.
         interpret=environ.get("TRITON_INTERPRET") == "1",
     )

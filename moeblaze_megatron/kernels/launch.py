@@ -186,10 +186,9 @@ def compile_ahead(autotuner, grid, args, constexprs) -> int:
     """Compile, side by side in ``KNOBS.compile_threads`` threads (Triton's ``AsyncCompileMode``),
     every config the autotuner is about to time for a new tuning key, instead of one by one as
     it times them; returns how many configs it handed to the compiler (0 where the key is tuned
-    already, one config or none is kept, or the knob says 1 or 0). Compiling releases the GIL
-    for most of its time: 14 of a layer's configs, 4.6-5.0 s one by one, 2.6-2.7 s from two
-    threads on two cores (Triton 3.6, benchmarks/NOTES.md). A config that fails to compile is
-    left for the autotuner, which reports or skips it as it would have."""
+    already, one config or none is kept, or the knob says 1 or 0). Compiling holds the GIL little,
+    so threads suffice (benchmarks/NOTES.md has the measurement). A config that fails to compile
+    is left for the autotuner, which reports or skips it as it would have."""
     global _compile_pool
     if KNOBS.interpret or KNOBS.compile_threads < 2 or autotuner.early_config_prune is None:
         return 0

@@ -37,9 +37,10 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 @contextlib.contextmanager
 def offline_target(target=TARGET):
-    """Triton's active driver replaced by one that names ``target`` and launches nothing, with the
-    GPU's config lists in force (interpreter off, autotuning on); both restored afterwards. CPU
-    tensors take TMA descriptors wherever aligned ones would on Hopper (``configs.tma_takes``)."""
+    """Triton's active driver replaced by one that names ``target`` and launches nothing, and the
+    interpreter switch off (the config lists are the GPU's, as MOEBLAZE_AUTOTUNE chose them at
+    import); both restored afterwards. CPU tensors take TMA descriptors wherever aligned ones
+    would on Hopper (``configs.tma_takes``)."""
     from triton.backends.nvidia.driver import CudaDriver
     from triton.runtime import driver
 
@@ -64,13 +65,13 @@ def offline_target(target=TARGET):
 
     # The driver as it was, unset included (reset_active would build the default, which fails
     # where no GPU is).
-    saved = (KNOBS.interpret, KNOBS.autotune, driver._active)
+    saved = (KNOBS.interpret, driver._active)
     driver.set_active(OfflineDriver())
-    KNOBS.interpret, KNOBS.autotune = False, True
+    KNOBS.interpret = False
     try:
         yield
     finally:
-        KNOBS.interpret, KNOBS.autotune, driver._active = saved
+        KNOBS.interpret, driver._active = saved
 
 
 def layer_launches(T, d, h, E, K, dtype=torch.bfloat16, seed=0):
