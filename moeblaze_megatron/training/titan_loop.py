@@ -37,6 +37,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.spmd_types import annotate_input_spmd_types
 from torchtitan.models.common.attention import FlexAttention
 
+from .attached_graphs import drop_attached_graphs
 from .corpus import BYTE_VOCAB_SIZE, PackedSamples, stdlib_source_files
 from .titan_choices import ACTIVATION_CHECKPOINTS, LOSSES
 from .titan_models import parallelize_qwen3, prepare_model_config, titan_model_config
@@ -280,6 +281,13 @@ class TitanTrainer:
 
     def routed_experts(self) -> list[torch.nn.Module]:
         return [layer.moe.routed_experts for layer in self.model.layers.values()]
+
+    def forget_failed_step(self) -> list[str]:
+        """After a step that raised (out of memory): drop the graph the model kept of it and the
+        gradients it began; returns what was dropped (attached_graphs)."""
+        dropped = drop_attached_graphs([self.model])
+        self.optimizers.zero_grad(set_to_none=not self.run.cuda_graphs)
+        return dropped
 
     def release_cuda_graph(self) -> None:
         """Free the captured step (its memory pool); later steps run eagerly."""

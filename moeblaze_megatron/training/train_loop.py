@@ -25,6 +25,7 @@ from functools import partial
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .attached_graphs import drop_attached_graphs
 from .families import LOCAL_IMPL_ARGS, NO_APEX_ARGS, family_args, have_apex_fusions
 from .pretraining import have_transformer_engine
 
@@ -198,19 +199,12 @@ def _release_device_memory(model_chunks) -> None:
     """Free the parameters, gradient buffers and any graph still attached to the model now,
     whoever still refers to the module objects.
 
-    Megatron's stock token dispatchers (plain objects hanging off each MoE layer) keep the last
-    step's router probabilities, graph attached; with the gradient hooks this makes cycles through
-    C++ autograd nodes that Python's garbage collector does not always break, and a closed model
-    stayed in device memory (seen on the H200: the third of three models in one process ran out
-    of memory)."""
+    A graph the model keeps (attached_graphs) makes cycles with the gradient hooks through C++
+    autograd nodes that Python's garbage collector does not always break: a closed model stayed
+    in device memory (seen on the H200: the third of three models in one process ran out of
+    memory)."""
+    drop_attached_graphs(model_chunks)
     for chunk in model_chunks:
-        for module in chunk.modules():
-            owners = [module] + [v for v in vars(module).values()
-                                 if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor))]
-            for owner in owners:
-                for name, value in list(vars(owner).items()):
-                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-                        setattr(owner, name, None)
         for param in chunk.parameters():
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             param.grad = None
@@ -367,6 +361,16 @@ class Trainer:
             raise ValueError("this run has no save directory (RunSpec.save)")
         with self._on_device(), quiet_megatron():
             save_checkpoint(self.iteration, self.model, self.optimizer, self.scheduler, 0)
+
+    def forget_failed_step(self) -> list[str]:
+        """After a step that raised (out of memory): drop the graph the model kept of it and the
+        gradients it began, so the next step starts where this one did; returns what was dropped
+        (attached_graphs)."""
+        dropped = drop_attached_graphs(self.model)
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return dropped
 
     def close(self) -> None:
         """Drop the model and optimizer and Megatron's global variables; free device memory."""

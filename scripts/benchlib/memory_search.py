@@ -36,7 +36,7 @@ def search_memory(trainer, dimension: str, budget_bytes: int, time_limit: float,
             for _ in range(2):
                 trainer.train_step(trainer.random_batches(mbs, seq, generator))
 
-        record = fits_in_memory(device, two_steps, budget_bytes, allocated_before)
+        record = fits_in_memory(device, two_steps, budget_bytes, allocated_before, trainer.forget_failed_step)
         probes.append({"value": value, "tokens": mbs * seq, **record, "seconds": time.perf_counter() - began})
         progress(probe_line(f"{dimension} {value:6d} ({mbs * seq:7d} tokens)", record))
         return record["fits"]
@@ -50,12 +50,15 @@ def search_memory(trainer, dimension: str, budget_bytes: int, time_limit: float,
     return {"dimension": dimension, "budget_bytes": budget_bytes, **found, "probes": probes}
 
 
-def fits_in_memory(device, run_steps, budget_bytes: int, allocated_before: int = 0) -> dict:
+def fits_in_memory(device, run_steps, budget_bytes: int, allocated_before: int = 0, after_failure=None) -> dict:
     """One memory probe: ``run_steps()`` from a fresh peak counter. Returns its record: ``fits``
     (no out-of-memory error and a peak within ``budget_bytes``), ``peak_bytes``, what the
     allocator held as it started (a probe after a failed one should start where the first did)
     and the out-of-memory message (it says how much was reserved but unallocated); bytes beyond
-    ``allocated_before``."""
+    ``allocated_before``. After a failure, ``after_failure()`` (the trainer's
+    ``forget_failed_step``) drops what the model kept of the failed step (``dropped``), and
+    ``held_after_failure`` lists the autograd graphs still alive anywhere (``graph_holders``):
+    where either is not empty, the next probe would have started with that step's activations."""
     import torch
 
     gc_free()
@@ -74,14 +77,61 @@ def fits_in_memory(device, run_steps, budget_bytes: int, allocated_before: int =
     peak = torch.cuda.max_memory_allocated(device) - allocated_before
     record.update(fits=failure is None and peak <= budget_bytes, peak_bytes=peak,
                   error=None if failure is None else failure.strip().splitlines()[0][:600])
+    if failure is not None:
+        record["dropped"] = after_failure() if after_failure is not None else []
+        record["held_after_failure"] = graph_holders(device)
     return record
+
+
+def graph_holders(device, limit: int = 8) -> list[dict]:
+    """The autograd graphs that Python objects keep alive on ``device``: each tensor there with a
+    ``grad_fn`` that something refers to (``Owner.attribute``, ``function:line`` of a frame, or a
+    container's type), with its own bytes (the graph behind it holds more), the largest ``limit``
+    first. A tensor that only autograd's C++ side refers to (saved for a backward) is left out:
+    its graph is alive only while a listed one is."""
+    import gc
+    import sys
+
+    import torch
+
+    gc.collect()
+    here = sys._getframe()
+    objects = gc.get_objects()
+    tensors = [o for o in objects if isinstance(o, torch.Tensor) and o.device.type == device.type
+               and o.grad_fn is not None]
+    del objects
+    tensors.sort(key=lambda t: -t.untyped_storage().nbytes())
+    found = []
+    for tensor in tensors:
+        owners = []
+        for referrer in gc.get_referrers(tensor):
+            if referrer is tensors or referrer is here:
+                continue
+            if isinstance(referrer, dict):
+                names = [str(k) for k, v in referrer.items() if v is tensor]
+                holders = [type(o).__name__ for o in gc.get_referrers(referrer) if getattr(o, "__dict__", None) is referrer]
+                owners += [f"{h}.{n}" for h in holders or ["dict"] for n in names]
+            elif type(referrer).__name__ == "frame":
+                owners.append(f"{referrer.f_code.co_name}:{referrer.f_lineno}")
+            else:
+                owners.append(type(referrer).__name__)
+        if owners:
+            found.append({"shape": list(tensor.shape), "grad_fn": tensor.grad_fn.name(),
+                          "bytes": tensor.untyped_storage().nbytes(), "owners": owners})
+        if len(found) == limit:
+            break
+    del tensors
+    return found
 
 
 def probe_line(label: str, record: dict) -> str:
     """A probe's progress line."""
     return (f"    {label}: {'fits' if record['fits'] else 'does not fit'}, peak {record['peak_bytes'] / 2**30:6.1f} GiB"
             f" (started at {record['allocated_at_start_bytes'] / 2**30:.1f} allocated, "
-            f"{record['reserved_at_start_bytes'] / 2**30:.1f} reserved)")
+            f"{record['reserved_at_start_bytes'] / 2**30:.1f} reserved)"
+            + (f"; dropped {', '.join(sorted(set(record['dropped'])))}" if record.get("dropped") else "")
+            + (f"; graphs still alive, held by {', '.join(sorted({o for h in record['held_after_failure'] for o in h['owners']}) or ['C++ only'])}"
+               if record.get("held_after_failure") else ""))
 
 
 def largest_fitting(fits, start: int, granule: int, cap: int, deadline: float, recheck: bool = False) -> dict:

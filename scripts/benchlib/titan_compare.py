@@ -176,7 +176,7 @@ def search_micro_batch(trainer, budget_bytes, time_limit, progress, allocated_be
             for _ in range(2):
                 trainer.train_step(trainer.random_batch(batch, trainer.run.seq_len, generator), eager=True)
 
-        record = fits_in_memory(device, two_steps, budget_bytes, allocated_before)
+        record = fits_in_memory(device, two_steps, budget_bytes, allocated_before, trainer.forget_failed_step)
         trainer.optimizers.zero_grad(set_to_none=not trainer.run.cuda_graphs)
         probes.append({"value": batch, "tokens": batch * trainer.run.seq_len, **record,
                        "seconds": time.perf_counter() - began})

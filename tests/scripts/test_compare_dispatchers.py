@@ -179,6 +179,10 @@ def test_search_memory_with_a_simulated_allocator(monkeypatch):
                 raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
             state["peak"] = max(state["peak"], need)
 
+        def forget_failed_step(self):
+            state["forgotten"] = state.get("forgotten", 0) + 1
+            return ["Dispatcher.probs"]
+
     class Properties:
         total_memory = total
 
@@ -201,5 +205,9 @@ def test_search_memory_with_a_simulated_allocator(monkeypatch):
                for p in found["probes"]) and "41.0 reserved" in lines[0]
     assert all((p["error"] is None) == p["fits"] for p in found["probes"])
     assert "CUDA out of memory (simulated)" in {p["error"] for p in found["probes"]}
+    # Each failed probe has the trainer forget its step, and says what that dropped.
+    failed = [p for p in found["probes"] if not p["fits"]]
+    assert state["forgotten"] == len(failed) and all(p["dropped"] == ["Dispatcher.probs"] for p in failed)
+    assert all(p["held_after_failure"] == [] for p in failed) and any("dropped Dispatcher.probs" in line for line in lines)
     by_seq = search_memory(FakeTrainer(), "seq-length", 80 * gib, 60.0, lines.append)
     assert by_seq["largest_fitting"] == 20480  # 2 x 20480 tokens = 40 GiB of activations

@@ -90,6 +90,10 @@ def test_micro_batch_search_with_a_simulated_allocator(monkeypatch):
         def release_cuda_graph(self):
             state["released"] = True
 
+        def forget_failed_step(self):
+            state["forgotten"] = state.get("forgotten", 0) + 1
+            return []
+
         def random_batch(self, batch_size, seq_len, generator):
             return batch_size, seq_len
 
@@ -112,3 +116,4 @@ def test_micro_batch_search_with_a_simulated_allocator(monkeypatch):
     found = titan_compare.search_micro_batch(FakeTrainer(), 80 * gib, 60.0, lines.append)
     assert found["largest_fitting"] == 10 and found["smallest_failing"] == 11 and state["fraction"] == 1.0
     assert all(p["fits"] == (p["value"] <= 10) for p in found["probes"]) and len(lines) == len(found["probes"])
+    assert state["forgotten"] == sum(not p["fits"] for p in found["probes"])

@@ -111,3 +111,46 @@ def test_run_spec_rejects_bad_values():
         RunSpec(family="tiny", dispatcher="moeblaze", seq_length=8, micro_batch_size=1, train_iters=2, warmup_iters=2)
     with pytest.raises(ValueError, match="seq_length"):
         RunSpec(family="tiny", dispatcher="moeblaze", seq_length=0, micro_batch_size=1, train_iters=2)
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    """Identity forward; its backward runs out of memory (a simulated one)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "moeblaze"])
+def test_a_failed_step_is_forgotten(cpu_world, corpus, dispatcher):
+    """A step that runs out of memory in its backward, half way down the model, leaves the graph
+    of its forward attached to the model (stock alltoall's dispatcher keeps the router
+    probabilities), and its first layers' gradients begun. forget_failed_step drops both: no
+    graph stays alive and the next step trains exactly as if the failed one never ran."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[2] / "scripts"))
+    from benchlib.memory_search import graph_holders
+    from megatron.core.utils import unwrap_model
+
+    run = tiny(dispatcher, corpus)
+    clean, state, _ = train(run, 2)
+    trainer = Trainer(run, CPU, initial_state=state)
+    assert trainer.train_step().loss == clean[0]
+    layers = unwrap_model(trainer.model[0]).decoder.layers
+    hook = layers[1].register_forward_hook(lambda module, inputs, out: (_RaiseInBackward.apply(out[0]), *out[1:]))
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        trainer.train_step()
+    hook.remove()
+    held = graph_holders(CPU)
+    if dispatcher == "alltoall":
+        assert any("MoEAlltoAllTokenDispatcher.probs" in h["owners"] for h in held), held
+    dropped = trainer.forget_failed_step()
+    assert ("MoEAlltoAllTokenDispatcher.probs" in dropped) == (dispatcher == "alltoall"), dropped
+    assert graph_holders(CPU) == []
+    assert trainer.train_step().loss == clean[1]
+    trainer.close()
