@@ -454,3 +454,16 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0):
     if errors:
         pytest.fail("\n".join(f"rank {r}:\n{tb}" for r, tb in sorted(errors.items())))
     return [results[r] for r in range(world_size)]
+
+
+class RaiseInBackward(torch.autograd.Function):
+    """Identity forward; its backward runs out of memory (a simulated one): a training step that
+    fails half way down the model."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")

@@ -285,7 +285,23 @@ class TitanTrainer:
     def forget_failed_step(self) -> list[str]:
         """After a step that raised (out of memory): drop the graph the model kept of it and the
         gradients it began; returns what was dropped (attached_graphs)."""
+        from torch.distributed.fsdp import FSDPModule
+
         dropped = drop_attached_graphs([self.model])
+        # A backward that raised leaves FSDP2's units mid-backward (training state, the queued
+        # final callback, parameters unsharded): the next step's backward then finds parameters
+        # freed. FSDP2 has no public reset; these are its own fields (torch 2.6 to 2.14).
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                state = module._get_fsdp_state()
+                state._state_ctx.post_backward_final_callback_queued = False
+                state._training_state = TrainingState.IDLE
+                group = state._fsdp_param_group
+                if group is not None:
+                    group._training_state = TrainingState.IDLE
+                module.reshard()
         self.optimizers.zero_grad(set_to_none=not self.run.cuda_graphs)
         return dropped
 

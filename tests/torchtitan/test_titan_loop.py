@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_testing import RaiseInBackward
 
 CPU = torch.device("cpu")
 
@@ -80,3 +81,34 @@ def test_releasing_the_cuda_graph_frees_torchtitans_shared_pool(monkeypatch):
     TitanTrainer.release_cuda_graph(trainer)
     assert torn == ["wrapper"] and trainer.fwd_bwd == "eager step"
     assert (manager._initialized, manager._graph_pool, manager._dummy_graph, manager._wrappers) == (False, None, None, [])
+
+
+@pytest.mark.parametrize("override", [None, {"backend": "reference"}], ids=["stock", "moeblaze"])
+def test_a_failed_step_is_forgotten(override):
+    """A step that runs out of memory in its backward, after the second layer's, leaves no graph
+    alive once forget_failed_step ran, and the next step trains exactly as if it never ran."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+    from benchlib.memory_search import graph_holders
+
+    from moeblaze_megatron.training.titan_loop import TitanRun, TitanTrainer, single_process
+
+    run = TitanRun(override=override, steps=4, seed=3)
+    with single_process(CPU):
+        clean = TitanTrainer(run, CPU)
+        state, first, second = clean.full_state(), clean.next_batch(), clean.next_batch()
+        losses = [clean.train_step(first).loss, clean.train_step(second).loss]
+        clean.close()
+        trainer = TitanTrainer(run, CPU, initial_state=state)
+        assert trainer.train_step(first).loss == losses[0]
+        layer = list(trainer.model.layers.values())[1]
+        hook = layer.register_forward_hook(lambda module, inputs, out: RaiseInBackward.apply(out))
+        with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+            trainer.train_step(second)
+        hook.remove()
+        trainer.forget_failed_step()
+        assert graph_holders(CPU) == []
+        assert trainer.train_step(second).loss == losses[1]
+        trainer.close()

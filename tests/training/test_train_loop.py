@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_testing import RaiseInBackward
 
 from moeblaze_megatron.training.cpu_shims import enable_cpu_megatron
 from moeblaze_megatron.training.train_loop import RunSpec, Trainer, single_process
@@ -113,18 +114,6 @@ def test_run_spec_rejects_bad_values():
         RunSpec(family="tiny", dispatcher="moeblaze", seq_length=0, micro_batch_size=1, train_iters=2)
 
 
-class _RaiseInBackward(torch.autograd.Function):
-    """Identity forward; its backward runs out of memory (a simulated one)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-
-
 @pytest.mark.parametrize("dispatcher", ["alltoall", "moeblaze"])
 def test_a_failed_step_is_forgotten(cpu_world, corpus, dispatcher):
     """A step that runs out of memory in its backward, half way down the model, leaves the graph
@@ -142,7 +131,7 @@ def test_a_failed_step_is_forgotten(cpu_world, corpus, dispatcher):
     trainer = Trainer(run, CPU, initial_state=state)
     assert trainer.train_step().loss == clean[0]
     layers = unwrap_model(trainer.model[0]).decoder.layers
-    hook = layers[1].register_forward_hook(lambda module, inputs, out: (_RaiseInBackward.apply(out[0]), *out[1:]))
+    hook = layers[1].register_forward_hook(lambda module, inputs, out: (RaiseInBackward.apply(out[0]), *out[1:]))
     with pytest.raises(torch.OutOfMemoryError, match="simulated"):
         trainer.train_step()
     hook.remove()
