@@ -130,7 +130,7 @@ def probe_line(label: str, record: dict) -> str:
             f" (started at {record['allocated_at_start_bytes'] / 2**30:.1f} allocated, "
             f"{record['reserved_at_start_bytes'] / 2**30:.1f} reserved)"
             + (f"; dropped {', '.join(sorted(set(record['dropped'])))}" if record.get("dropped") else "")
-            + (f"; graphs still alive, held by {', '.join(sorted({o for h in record['held_after_failure'] for o in h['owners']}) or ['C++ only'])}"
+            + (f"; graphs still alive, held by {', '.join(sorted({o for h in record['held_after_failure'] for o in h['owners']}))}"
                if record.get("held_after_failure") else ""))
 
 
