@@ -82,6 +82,25 @@ def _row_gemm_tiles():
     ]
 
 
+# Narrow tiles (64 rows or 64 columns) are timed only where the experts average fewer rows than
+# this: with more, they never won a SwiGLU forward or a plain GEMM on the H200, and every config
+# timed costs a shape's first call ~0.75 s of compiling and timing (benchmarks/NOTES.md).
+NARROW_TILE_ROWS_PER_EXPERT = 128
+
+
+def few_rows_per_expert(args) -> bool:
+    """Whether a launch's experts average fewer than ``NARROW_TILE_ROWS_PER_EXPERT`` rows (its
+    rows rounded up to a power of two, as the tuning key holds them); True where the launch's
+    arguments are not given, so that nothing is left out unasked."""
+    if "rows_bucket" not in args or "E" not in args:
+        return True
+    return args["rows_bucket"] < NARROW_TILE_ROWS_PER_EXPERT * args["E"]
+
+
+def _narrow(config) -> bool:
+    return min(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]) < 128
+
+
 def prune_row_gemm(configs, named_args, **kwargs):
     """The configs worth timing for one launch (Triton passes the constexprs in kwargs)."""
     args = {**named_args, **kwargs}
@@ -89,14 +108,16 @@ def prune_row_gemm(configs, named_args, **kwargs):
         # C's store buffer does not fit shared memory beside a persistent program's four pipeline
         # stages (sm_90a: 262 KB).
         configs = [c for c in configs if not (c.kwargs.get("PERSISTENT") and c.num_stages >= 4)]
+    wide_only = args["EPILOGUE"] in (EPI_STORE, EPI_ACT_FWD) and not few_rows_per_expert(args)
     if args["EPILOGUE"] == EPI_ACT_BWD:
         keep = [c for c in configs if c.kwargs["BLOCK_N"] == ACT_BWD_BLOCK_N and not c.kwargs.get("PERSISTENT")][:1]
     elif args["ACT"] == ACT_SWIGLU and args["EPILOGUE"] == EPI_ACT_FWD:
         # The SwiGLU forward holds the gate and up halves of its tile: it spills past 128 columns.
-        keep = [c for c in configs if c.kwargs["BLOCK_N"] <= 128]
+        keep = [c for c in configs if c.kwargs["BLOCK_N"] <= 128 and not (wide_only and _narrow(c))]
     elif args["EPILOGUE"] == EPI_STORE:
         # 128x128 tiles never won a plain GEMM: timing them only lengthens a shape's first call.
-        keep = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) != (128, 128)]
+        keep = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) != (128, 128)
+                and not (wide_only and _narrow(c))]
     else:
         keep = configs
     if not KNOBS.autotune:
@@ -138,12 +159,15 @@ def weight_grad_configs():
 
 def prune_weight_grad(configs, named_args, **kwargs):
     """Only tiles long on the operand in expert order: every measured shape ran fastest so, and the
-    autotuner's noise cannot then pick the other orientation."""
+    autotuner's noise cannot then pick the other orientation. The square tile only where the
+    experts have few rows (it never won otherwise)."""
     args = {**named_args, **kwargs}
     if args["GATHER_A"] == args["GATHER_B"]:
         return configs
     long_side, short_side = ("BLOCK_N", "BLOCK_M") if args["GATHER_A"] else ("BLOCK_M", "BLOCK_N")
-    return [c for c in configs if c.kwargs[long_side] >= c.kwargs[short_side]] or configs
+    strict = not few_rows_per_expert(args)
+    return [c for c in configs if c.kwargs[long_side] > c.kwargs[short_side]
+            or (c.kwargs[long_side] == c.kwargs[short_side] and not strict)] or configs
 
 
 def config_label(config) -> str:

@@ -2,7 +2,8 @@
 
 Each maps (x [T, d], top-k ids [T, K], top-k probs [T, K]) -> y [T, d] and owns its parameters,
 built from the same fc1 [E, 2h|h, d] and fc2 [E, d, h] weights. Peers: grouped_mm
-(torch._grouped_mm pipeline, as torchtitan does it), megatron_sequential (Megatron-Core alltoall
+(torch._grouped_mm pipeline, as torchtitan does it; grouped_mm_views the same over transposed views
+of the layer's weights, the faster layout on some shapes), megatron_sequential (Megatron-Core alltoall
 dispatcher + SequentialMLP), te_grouped (Megatron-Core alltoall dispatcher with the fused
 permutation + TEGroupedMLP, Transformer Engine's grouped GEMM: the stock MoE with TE, EP = 1),
 megablocks (dMoE, grouped path), liger (Liger-Kernel's fused MoE), scattermoe. A peer's library is imported when the peer is built, so a missing one fails there.
@@ -21,7 +22,7 @@ from moeblaze_megatron import moe_mlp
 # benchmark run; DESIGN.md measured it with autotuning off too.
 os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
 
-IMPLS = ("moeblaze", "moeblaze_fc1", "grouped_mm", "megatron_sequential", "te_grouped", "megablocks", "liger",
+IMPLS = ("moeblaze", "moeblaze_fc1", "grouped_mm", "grouped_mm_views", "megatron_sequential", "te_grouped", "megablocks", "liger",
          "scattermoe")
 # An illegal memory access kills the whole process, so a peer known to crash on a shape is skipped.
 KNOWN_CRASHES = {("dsv3-like", "scattermoe"): "skipped: died with an illegal memory access on this "
@@ -66,7 +67,8 @@ class MoEBlazeFc1(MoEBlaze):
 
 
 class GroupedMM(Impl):
-    """Sort, gather, grouped_mm, activation, grouped_mm, weighted index_add (torchtitan's recipe)."""
+    """Sort, gather, grouped_mm, activation, grouped_mm, weighted index_add (torchtitan's recipe),
+    the weights stored [E, d, 2h] and [E, h, d] (contiguous copies)."""
 
     name = "grouped_mm"
 
@@ -80,21 +82,44 @@ class GroupedMM(Impl):
     def params(self):
         return [self.w1, self.w2]
 
+    def weights(self):
+        """fc1 and fc2 as grouped_mm's right operands, [E, d, 2h] and [E, h, d]."""
+        return self.w1, self.w2
+
     def __call__(self, x, ids, probs):
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tokens = order // self.K
         offs = torch.bincount(flat, minlength=self.E).cumsum(0).to(torch.int32)
         xs = x[tokens]
-        a = torch._grouped_mm(xs, self.w1, offs=offs)
+        w1, w2 = self.weights()
+        a = torch._grouped_mm(xs, w1, offs=offs)
         if self.activation == "swiglu":
             gate, up = a.chunk(2, dim=-1)
             a = F.silu(gate) * up
         else:
             a = F.silu(a) if self.activation == "silu" else F.gelu(a)
-        o = torch._grouped_mm(a, self.w2, offs=offs)
+        o = torch._grouped_mm(a, w2, offs=offs)
         o = o * probs.reshape(-1)[order, None].to(o.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, o)
+
+
+class GroupedMMViews(GroupedMM):
+    """The same pipeline with the weights stored as the layer holds them, [E, 2h, d] and [E, d, h],
+    and passed as transposed views (grouped_mm then reads them column-major): measured faster than
+    the contiguous copies on some shapes, so both forms are timed."""
+
+    name = "grouped_mm_views"
+
+    def __init__(self, fc1, fc2, activation, num_experts, topk):
+        Impl.__init__(self, fc1, fc2, activation, num_experts, topk)
+        if not hasattr(torch, "_grouped_mm"):
+            raise RuntimeError("torch._grouped_mm is not available in this torch")
+        self.w1 = fc1.detach().clone().requires_grad_()  # [E, 2h, d]
+        self.w2 = fc2.detach().clone().requires_grad_()  # [E, d, h]
+
+    def weights(self):
+        return self.w1.transpose(1, 2), self.w2.transpose(1, 2)
 
 
 class MegatronSequential(Impl):
@@ -282,7 +307,7 @@ class ScatterMoE(Impl):
         return self.mlp(x, probs.to(x.dtype), ids)
 
 
-IMPL_CLASSES = {c.name: c for c in (MoEBlaze, MoEBlazeFc1, GroupedMM, MegatronSequential, MegatronTEGrouped,
+IMPL_CLASSES = {c.name: c for c in (MoEBlaze, MoEBlazeFc1, GroupedMM, GroupedMMViews, MegatronSequential, MegatronTEGrouped,
                                     MegaBlocks, Liger, ScatterMoE)}
 
 

@@ -53,6 +53,38 @@ def test_plain_gemms_time_neither_128x128_tile(gpu_lists):
         }
 
 
+@pytest.mark.parametrize("rows_per_expert", [2048, 48])
+def test_narrow_tiles_are_timed_only_for_experts_with_few_rows(gpu_lists, rows_per_expert):
+    # Each config timed costs a new shape's first call compiling and timing; the narrow tiles and
+    # the square weight-gradient tile never won where the experts have many rows.
+    E = 128
+    shape = dict(rows_bucket=row_gemm.next_pow2(rows_per_expert * E), E=E)
+    few = rows_per_expert < cf.NARROW_TILE_ROWS_PER_EXPERT / 2  # the bucket rounds up to a power of two
+    assert cf.few_rows_per_expert(shape) == few
+    configs = cf.row_gemm_configs()
+    for epilogue, tma_rows in ((cf.EPI_ACT_FWD, False), (cf.EPI_STORE, False), (cf.EPI_STORE, True)):
+        kept = cf.prune_row_gemm(configs, shape, EPILOGUE=epilogue, ACT=cf.ACT_SWIGLU, TMA_ROWS=tma_rows)
+        unasked = cf.prune_row_gemm(configs, {}, EPILOGUE=epilogue, ACT=cf.ACT_SWIGLU, TMA_ROWS=tma_rows)
+        narrow = [c for c in unasked if min(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) < 128]
+        assert narrow and len(kept) >= 2
+        assert kept == (unasked if few else [c for c in unasked if c not in narrow])
+    labels = {cf.config_label(c) for c in cf.prune_row_gemm(configs, shape, EPILOGUE=cf.EPI_STORE,
+                                                             ACT=cf.ACT_SWIGLU, TMA_ROWS=True)}
+    assert {"128x256x64/g8/w8/s3/p", "128x256x64/g8/w8/s4"} <= labels  # the measured winners stay
+    # SiLU and GELU forwards keep every tile (their winners are not measured at these shapes).
+    assert cf.prune_row_gemm(configs, shape, EPILOGUE=cf.EPI_ACT_FWD, ACT=cf.ACT_SILU) == configs
+    wgrad = cf.weight_grad_configs()
+    for gather_a in (True, False):
+        kept = cf.prune_weight_grad(wgrad, shape, GATHER_A=gather_a, GATHER_B=not gather_a)
+        square = [c for c in cf.prune_weight_grad(wgrad, {}, GATHER_A=gather_a, GATHER_B=not gather_a)
+                  if c.kwargs["BLOCK_M"] == c.kwargs["BLOCK_N"]]
+        assert square and (all(c in kept for c in square) if few else not any(c in kept for c in square))
+        assert len(kept) >= 2
+    # A list of square tiles only (MOEBLAZE_AUTOTUNE=0's) keeps its one config.
+    lone = [c for c in wgrad if c.kwargs["BLOCK_M"] == c.kwargs["BLOCK_N"]]
+    assert cf.prune_weight_grad(lone, shape, GATHER_A=True, GATHER_B=False) == lone
+
+
 def test_rows_through_descriptors_drop_persistent_four_stage_tiles(gpu_lists):
     # C's TMA store buffer does not fit beside a persistent program's four stages.
     configs = cf.row_gemm_configs()

@@ -36,3 +36,37 @@ def _peer_worker(rank, world_size, port, topk):
 def test_megatron_sequential_peer(topk):
     (err,) = run_distributed(_peer_worker, 1, topk, timeout=120)
     assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_both_grouped_mm_layouts_are_the_layer(activation):
+    # bench_layer times the grouped_mm pipeline over contiguous [E, d, 2h] copies and over
+    # transposed views of the layer's own weights (the faster form varies by shape): each must be
+    # the same layer, with its gradients back in its own weights' layout.
+    from benchlib.peers import GroupedMM, GroupedMMViews
+
+    g = torch.Generator().manual_seed(7)
+    E, d, h, T, K = 4, 16, 24, 37, 2
+    width = 2 * h if activation == "swiglu" else h
+    fc1 = torch.randn(E, width, d, generator=g, dtype=torch.float64) * d**-0.5
+    fc2 = torch.randn(E, d, h, generator=g, dtype=torch.float64) * h**-0.5
+    x = torch.randn(T, d, generator=g, dtype=torch.float64)
+    scores = torch.rand(T, E, generator=g)
+    scores[:, 3] = -1  # an expert with no tokens
+    ids = scores.topk(K, dim=1).indices
+    probs = torch.rand(T, K, generator=g, dtype=torch.float64)
+    want = dense_moe_reference(x, ids, probs, fc1, fc2, activation)
+    grads = {}
+    for cls in (GroupedMM, GroupedMMViews):
+        impl = cls(fc1.float(), fc2.float(), activation, E, K)
+        xi = x.float().requires_grad_()
+        y = impl(xi, ids, probs.float())
+        assert ((y.double() - want).norm() / want.norm()).item() < 1e-5
+        y.backward(torch.ones_like(y))
+        w1, w2 = impl.params()
+        # Back to the layer's [E, 2h|h, d] and [E, d, h] whatever the stored layout.
+        g1, g2 = (w1.grad.transpose(1, 2), w2.grad.transpose(1, 2)) if cls is GroupedMM else (w1.grad, w2.grad)
+        grads[cls.name] = (xi.grad, g1, g2)
+    for a, b in zip(grads["grouped_mm"], grads["grouped_mm_views"]):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
