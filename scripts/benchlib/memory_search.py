@@ -97,8 +97,10 @@ def graph_holders(device, limit: int = 8) -> list[dict]:
     gc.collect()
     here = sys._getframe()
     objects = gc.get_objects()
-    tensors = [o for o in objects if isinstance(o, torch.Tensor) and o.device.type == device.type
-               and o.grad_fn is not None]
+    # Plain tensors only: a compiler's fake tensors (torch.compile's caches) hold no memory, and
+    # their symbolic sizes raise when read.
+    tensors = [o for o in objects if type(o) in (torch.Tensor, torch.nn.Parameter)
+               and o.device.type == device.type and o.grad_fn is not None]
     del objects
     tensors.sort(key=lambda t: -t.untyped_storage().nbytes())
     found = []
@@ -111,6 +113,10 @@ def graph_holders(device, limit: int = 8) -> list[dict]:
                 names = [str(k) for k, v in referrer.items() if v is tensor]
                 holders = [type(o).__name__ for o in gc.get_referrers(referrer) if getattr(o, "__dict__", None) is referrer]
                 owners += [f"{h}.{n}" for h in holders or ["dict"] for n in names]
+            elif attributes := [k for k, v in getattr(referrer, "__dict__", {}).items() if v is tensor]:
+                # An object whose attributes live inline (Python 3.12) refers to the tensor itself.
+                # (No generator here: a closure's cell would be one more referrer.)
+                owners += [f"{type(referrer).__name__}.{k}" for k in attributes]
             elif type(referrer).__name__ == "frame":
                 owners.append(f"{referrer.f_code.co_name}:{referrer.f_lineno}")
             else:

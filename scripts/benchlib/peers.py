@@ -314,7 +314,7 @@ IMPL_CLASSES = {c.name: c for c in (MoEBlaze, MoEBlazeFc1, GroupedMM, GroupedMMV
 def map_grads(impl, grads):
     """An implementation's parameter gradients, mapped back to [E, 2h|h, d] / [E, d, h]."""
     p = grads
-    if isinstance(impl, (MoEBlaze, Liger)):
+    if isinstance(impl, (MoEBlaze, Liger, GroupedMMViews)):  # the layer's own layout
         return p[0], p[1]
     if isinstance(impl, GroupedMM):
         return p[0].transpose(1, 2), p[1].transpose(1, 2)

@@ -211,3 +211,27 @@ def test_search_memory_with_a_simulated_allocator(monkeypatch):
     assert all(p["held_after_failure"] == [] for p in failed) and any("dropped Dispatcher.probs" in line for line in lines)
     by_seq = search_memory(FakeTrainer(), "seq-length", 80 * gib, 60.0, lines.append)
     assert by_seq["largest_fitting"] == 20480  # 2 x 20480 tokens = 40 GiB of activations
+
+
+def test_graph_holders_list_plain_tensors_and_skip_a_compilers_fake_ones():
+    # torch.compile keeps fake tensors (symbolic sizes, no memory) that gc still finds; reading
+    # their sizes raised on the GPU (TE's layer spec compiles parts of the model). A plain tensor
+    # with a graph, held by an object, is listed with its owner.
+    from benchlib.memory_search import graph_holders
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    class Owner:
+        pass
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    fake_owner, plain_owner = Owner(), Owner()
+    with mode:
+        fake_owner.kept = mode.from_tensor(torch.randn(8, 4, requires_grad=True), symbolic_context=context) * 2
+    plain_owner.kept = torch.randn(8, 4, requires_grad=True) * 2
+    held = graph_holders(torch.device("cpu"))
+    assert [h["owners"] for h in held] == [["Owner.kept"]]
+    assert held[0]["shape"] == [8, 4] and held[0]["grad_fn"] == "MulBackward0"
+    del plain_owner.kept
+    assert graph_holders(torch.device("cpu")) == []
