@@ -84,7 +84,7 @@ def _row_gemm_tiles():
 
 # Narrow tiles (64 rows or 64 columns) are timed only where the experts average fewer rows than
 # this: with more, they never won a SwiGLU forward or a plain GEMM on the H200, and every config
-# timed costs a shape's first call ~0.75 s of compiling and timing (benchmarks/NOTES.md).
+# timed lengthens a shape's first call by its compiling and timing (benchmarks/NOTES.md).
 NARROW_TILE_ROWS_PER_EXPERT = 128
 
 

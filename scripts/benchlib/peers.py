@@ -76,8 +76,11 @@ class GroupedMM(Impl):
         super().__init__(fc1, fc2, activation, num_experts, topk)
         if not hasattr(torch, "_grouped_mm"):
             raise RuntimeError("torch._grouped_mm is not available in this torch")
-        self.w1 = fc1.detach().transpose(1, 2).contiguous().requires_grad_()  # [E, d, 2h]
-        self.w2 = fc2.detach().transpose(1, 2).contiguous().requires_grad_()  # [E, h, d]
+        self.w1, self.w2 = (w.requires_grad_() for w in self.stored(fc1.detach(), fc2.detach()))
+
+    def stored(self, fc1, fc2):
+        """The parameters this form keeps: contiguous [E, d, 2h] and [E, h, d] copies."""
+        return fc1.transpose(1, 2).contiguous(), fc2.transpose(1, 2).contiguous()
 
     def params(self):
         return [self.w1, self.w2]
@@ -111,12 +114,8 @@ class GroupedMMViews(GroupedMM):
 
     name = "grouped_mm_views"
 
-    def __init__(self, fc1, fc2, activation, num_experts, topk):
-        Impl.__init__(self, fc1, fc2, activation, num_experts, topk)
-        if not hasattr(torch, "_grouped_mm"):
-            raise RuntimeError("torch._grouped_mm is not available in this torch")
-        self.w1 = fc1.detach().clone().requires_grad_()  # [E, 2h, d]
-        self.w2 = fc2.detach().clone().requires_grad_()  # [E, d, h]
+    def stored(self, fc1, fc2):
+        return fc1.clone(), fc2.clone()  # [E, 2h, d], [E, d, h]
 
     def weights(self):
         return self.w1.transpose(1, 2), self.w2.transpose(1, 2)

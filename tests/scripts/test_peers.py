@@ -55,19 +55,22 @@ def test_both_grouped_mm_layouts_are_the_layer(activation):
     scores[:, 3] = -1  # an expert with no tokens
     ids = scores.topk(K, dim=1).indices
     probs = torch.rand(T, K, generator=g, dtype=torch.float64)
-    want = dense_moe_reference(x, ids, probs, fc1, fc2, activation)
-    grads = {}
+    gy = torch.randn(T, d, generator=g, dtype=torch.float64)
+    ref = [t.clone().requires_grad_() for t in (x, fc1, fc2)]
+    want = dense_moe_reference(ref[0], ids, probs, ref[1], ref[2], activation)
+    want.backward(gy)
+
+    def rel(got, oracle):
+        return ((got.double() - oracle).norm() / oracle.norm()).item()
+
     for cls in (GroupedMM, GroupedMMViews):
         impl = cls(fc1.float(), fc2.float(), activation, E, K)
         xi = x.float().requires_grad_()
         y = impl(xi, ids, probs.float())
-        assert ((y.double() - want).norm() / want.norm()).item() < 1e-5
-        y.backward(torch.ones_like(y))
+        assert rel(y, want) < 1e-5
+        y.backward(gy.float())
         # Back to the layer's [E, 2h|h, d] and [E, d, h] whatever the stored layout (what
         # bench_layer's float64 check compares).
         g1, g2 = map_grads(impl, [p.grad for p in impl.params()])
         assert g1.shape == fc1.shape and g2.shape == fc2.shape
-        grads[cls.name] = (xi.grad, g1, g2)
-    for a, b in zip(grads["grouped_mm"], grads["grouped_mm_views"]):
-        assert a.shape == b.shape
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert max(rel(xi.grad, ref[0].grad), rel(g1, ref[1].grad), rel(g2, ref[2].grad)) < 1e-5, cls.name
