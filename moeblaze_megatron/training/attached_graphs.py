@@ -1,13 +1,19 @@
-"""Autograd graphs that a model keeps between calls, and dropping them.
+"""Autograd graphs that a model keeps between calls, and dropping them; step state machines a
+step that raised leaves mid-way, and resetting them.
 
 Megatron's stock token dispatchers (plain objects hanging off each MoE layer) keep the last
 forward's router probabilities with their graph attached (``MoEAlltoAllTokenDispatcher.probs``).
 After a complete step that graph is spent and holds little; after a step that raised (out of
 memory in a memory search) it holds every activation saved up to that layer, tens of GiB at the
-Qwen3-MoE-like shape, into the next step.
+Qwen3-MoE-like shape, into the next step. Megatron's overlapped shared experts
+(``--moe-shared-expert-overlap``) walk a state machine through each forward and assert, at the
+next one, that the last reached IDLE: after a step that raised between two of its calls, every
+later forward fails.
 """
 
 from __future__ import annotations
+
+from enum import Enum
 
 import torch
 
@@ -27,3 +33,22 @@ def drop_attached_graphs(modules) -> list[str]:
                         setattr(owner, name, None)
                         dropped.append(f"{type(owner).__name__}.{name}")
     return dropped
+
+
+# The attribute of a module that holds a per-forward state machine (an Enum with an IDLE member):
+# Megatron's SharedExpertMLP._overlap_state.
+STEP_STATE_ATTRIBUTE = "_overlap_state"
+
+
+def reset_step_states(modules) -> list[str]:
+    """Set back to IDLE every per-forward state machine (``STEP_STATE_ATTRIBUTE``) that a module of
+    ``modules`` (submodules included) was left in mid-way; returns them as ``Owner.name (STATE)``."""
+    reset = []
+    for root in modules:
+        for module in root.modules():
+            state = getattr(module, STEP_STATE_ATTRIBUTE, None)
+            idle = getattr(type(state), "IDLE", None) if isinstance(state, Enum) else None
+            if idle is not None and state is not idle:
+                setattr(module, STEP_STATE_ATTRIBUTE, idle)
+                reset.append(f"{type(module).__name__}.{STEP_STATE_ATTRIBUTE} ({state.name})")
+    return reset

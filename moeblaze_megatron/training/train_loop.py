@@ -25,7 +25,7 @@ from functools import partial
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .attached_graphs import drop_attached_graphs
+from .attached_graphs import drop_attached_graphs, reset_step_states
 from .families import LOCAL_IMPL_ARGS, NO_APEX_ARGS, family_args, have_apex_fusions
 from .pretraining import have_transformer_engine
 
@@ -364,9 +364,9 @@ class Trainer:
 
     def forget_failed_step(self) -> list[str]:
         """After a step that raised (out of memory): drop the graph the model kept of it and the
-        gradients it began, so the next step starts where this one did; returns what was dropped
-        (attached_graphs)."""
-        dropped = drop_attached_graphs(self.model)
+        gradients it began, and set back the shared experts' overlap state machine, so the next step
+        starts where this one did; returns what was dropped and reset (attached_graphs)."""
+        dropped = drop_attached_graphs(self.model) + reset_step_states(self.model)
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()

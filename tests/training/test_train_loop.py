@@ -143,3 +143,39 @@ def test_a_failed_step_is_forgotten(cpu_world, corpus, dispatcher):
     assert graph_holders(CPU) == []
     assert trainer.train_step().loss == clean[1]
     trainer.close()
+
+
+def test_an_interrupted_shared_expert_overlap_is_reset():
+    """Megatron's overlapped shared experts step through a state machine in each forward and assert
+    it was left IDLE; a step that raised between two of its calls would fail every later forward
+    (seen on the H200 in the memory search of the TE stock run with --moe-shared-expert-overlap).
+    reset_step_states sets it back, and the next forward's first call passes Megatron's own check."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.shared_experts import SharedExpertState, overlap_state_check
+
+    from moeblaze_megatron.training.attached_graphs import reset_step_states
+
+    class Overlapped(torch.nn.Module):  # the calling order of SharedExpertMLP, under Megatron's decorator
+        def __init__(self):
+            super().__init__()
+            self.config = SimpleNamespace(moe_shared_expert_overlap=True)
+            self._overlap_state = SharedExpertState.IDLE
+
+        @overlap_state_check(SharedExpertState.IDLE, SharedExpertState.PRE_FORWARD_COMM_DONE)
+        def pre_forward_comm(self):
+            pass
+
+        @overlap_state_check(SharedExpertState.PRE_FORWARD_COMM_DONE, SharedExpertState.FC1_FORWARD_DONE)
+        def linear_fc1_forward_and_act(self):
+            pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), Overlapped(), Overlapped())
+    assert reset_step_states([model]) == []
+    model[2].pre_forward_comm()
+    model[2].linear_fc1_forward_and_act()  # ... and the step raised here
+    with pytest.raises(AssertionError, match="must be called from IDLE state"):
+        model[2].pre_forward_comm()
+    assert reset_step_states([model]) == ["Overlapped._overlap_state (FC1_FORWARD_DONE)"]
+    assert model[1]._overlap_state is model[2]._overlap_state is SharedExpertState.IDLE
+    model[2].pre_forward_comm()
