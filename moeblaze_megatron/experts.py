@@ -32,7 +32,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 
 from .config import activation_name, expert_bias_problem, expert_tp_problem, get_moeblaze_config
 from .dispatcher import ExpertRouting
-from .moe_mlp import moe_mlp
+from .moe_mlp import moe_mlp, start_compile_workers
 from .parallel.ring import ring_moe
 
 __all__ = ["CHECKPOINT_LAYOUTS", "MoEBlazeGroupedMLP", "activation_of_config", "expert_activation"]
@@ -82,6 +82,7 @@ class MoEBlazeGroupedMLP(MegatronModule):
         self.recompute = options.recompute
         self.backend = options.backend
         self.routing_method = options.routing_method
+        start_compile_workers(self.backend)
 
         hidden = config.hidden_size
         ffn = config.moe_ffn_hidden_size

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import launch
 from .kernels.combine import combine
+from .kernels.launch import next_pow2, stand_in
 from .kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD, expert_order_gemm, row_gemm, row_gemm_ds_tiles
 from .kernels.weight_grad import gathered_weight_grad, grouped_weight_grads_apply, weight_grad
 from .routing import RoutingPlan
@@ -108,9 +110,51 @@ def fused_backward(grad_y, x, probs_sorted, fc1_weight, fc2_weight, plan, activa
     return grad_x, grad_probs, grad_fc1, grad_fc2
 
 
+# The layers whose kernels were handed to the compile workers (``prefetch_layer_kernels``).
+_prefetched: set = set()
+
+
+def prefetch_layer_kernels(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute, needs) -> int:
+    """At a layer's first call of its kind, hand every kernel its forward and backward will launch
+    (``layer_launches``) to the compile workers at once, instead of one launch's configs after
+    another as each comes, so that they compile side by side while this pass runs; returns how
+    many compiles were submitted. The kind is what the kernels specialize on or tune by (dtypes,
+    widths, experts, top-k, the rows' power-of-two bucket and 16-divisibility, the options): a
+    token count that changes every step does not repeat it."""
+    if not x.is_cuda or not launch.compile_workers.enabled():
+        return 0
+    rows = plan.expert_token_indices.shape[0]
+    key = (x.device, x.dtype, topk_probs.dtype, isinstance(fc1_weight, tuple), activation, recompute, tuple(needs),
+           x.shape[1], fc2_weight.shape[2], plan.num_experts, plan.topk, next_pow2(rows), rows % 16, x.shape[0] % 16)
+    if key in _prefetched:
+        return 0
+    _prefetched.add(key)
+    return launch.prefetch(layer_launches(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute, needs))
+
+
+def layer_launches(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute, needs) -> list:
+    """The ``KernelCall``s that ``TritonMoEMLP``'s forward, then backward (where ``needs`` asks for
+    any gradient), launch for these arguments, in order: the same passes run on meta tensors
+    standing for them inside ``launch.recording``, so nothing runs and nothing is allocated. A
+    launcher that cannot follow meta tensors ends the list early."""
+    fc1 = tuple(map(stand_in, fc1_weight)) if isinstance(fc1_weight, tuple) else stand_in(fc1_weight)
+    xs, fc2, plan = stand_in(x), stand_in(fc2_weight), RoutingPlan(*map(stand_in, plan.tensors()))
+
+    def passes():
+        y, probs_sorted, pre = fused_forward(xs, stand_in(topk_probs), fc1, fc2, plan, activation,
+                                             save_pre=recompute == "activation")
+        if any(needs):
+            # new_empty, not empty_like: on meta tensors the latter imports sympy (seconds).
+            fused_backward(y.new_empty(y.shape), xs, probs_sorted, fc1, fc2, plan, activation, pre, needs)
+
+    return launch.recorded_launches(x.device, passes)
+
+
 class TritonMoEMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute):
+        prefetch_layer_kernels(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute,
+                               ctx.needs_input_grad[:4])
         x = x.contiguous()
         y, probs_sorted, pre = fused_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation,
                                              save_pre=recompute == "activation")
@@ -137,6 +181,6 @@ def _weight_gradient(weight, a, b, plan, *, gather_a, gathered):
     grouped GEMM into ``gathered`` where given, the weight-gradient kernel otherwise."""
     if gathered is not None:
         return gathered_weight_grad(a, b, plan, gather_a=gather_a, buffer=gathered)
-    out = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    out = weight.new_empty(weight.shape)  # contiguous (and no sympy import on meta stand-ins)
     weight_grad(a, b, out, plan, gather_a=gather_a, gather_b=not gather_a)
     return out

@@ -139,6 +139,18 @@ def resolved_backend(x: torch.Tensor, backend: str) -> str:
     return backend
 
 
+def start_compile_workers(backend: str = "auto") -> None:
+    """Start the kernels' compile workers now (a model's MoE layers call it as they are built), so
+    that their start-up, seconds while each imports torch and Triton, overlaps the rest of a job's
+    setup instead of its first step. Nothing where no kernel will compile: no GPU, the reference
+    backend, the interpreter, MOEBLAZE_COMPILE_WORKERS=0."""
+    if backend == "reference" or KNOBS.interpret or not torch.cuda.is_available():
+        return
+    from .kernels import compile_workers
+
+    compile_workers.start()
+
+
 def expert_mlp_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation, backend, out_dtype=None):
     """One forward pass of the op, outside autograd and saving nothing (a ring hop's): ``y`` in
     ``out_dtype`` (x's by default). Arguments are checked by the caller."""

@@ -175,14 +175,36 @@ def build_routing_plan(
     if method == "auto":
         method = choose_routing_method(topk_ids, num_experts)
     if method == "three_step":
-        from .kernels.plan_three_step import three_step_routing_plan
+        from .kernels.plan_three_step import three_step_routing_plan as build
+    elif method == "sort":
+        from .kernels.plan_sort import sort_routing_plan as build
+    else:
+        return torch_routing_plan(topk_ids, num_experts)
+    _prefetch_plan_kernels(build, topk_ids, num_experts)
+    return RoutingPlan(*build(topk_ids, num_experts))
 
-        return RoutingPlan(*three_step_routing_plan(topk_ids, num_experts))
-    if method == "sort":
-        from .kernels.plan_sort import sort_routing_plan
 
-        return RoutingPlan(*sort_routing_plan(topk_ids, num_experts))
-    return torch_routing_plan(topk_ids, num_experts)
+# The plan builds whose kernels were handed to the compile workers.
+_prefetched: set = set()
+
+
+def _prefetch_plan_kernels(build, topk_ids, num_experts) -> None:
+    """At the first plan of its kind, with a compile worker up, hand the build's few kernels to
+    the workers at once (they then compile side by side, not one after another as each launch
+    comes). The kind: the build, ids' dtype, K, E, the token count's power-of-two bucket and
+    16-divisibility (what the kernels specialize on)."""
+    if not topk_ids.is_cuda:
+        return
+    from .kernels import compile_workers, launch
+
+    num_tokens = topk_ids.shape[0]
+    key = (build, topk_ids.device, topk_ids.dtype, topk_ids.shape[1], num_experts, launch.next_pow2(num_tokens),
+           num_tokens % 16)
+    if key in _prefetched or not compile_workers.ready():
+        return
+    _prefetched.add(key)
+    ids = launch.stand_in(topk_ids)
+    launch.prefetch(launch.recorded_launches(topk_ids.device, lambda: build(ids, num_experts)))
 
 
 def choose_routing_method(topk_ids: torch.Tensor, num_experts: int) -> str:

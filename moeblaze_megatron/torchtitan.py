@@ -48,7 +48,7 @@ from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 
 from .config import MoEBlazeConfig
-from .moe_mlp import check_moe_mlp_args, moe_mlp, resolved_backend
+from .moe_mlp import check_moe_mlp_args, moe_mlp, resolved_backend, start_compile_workers
 from .parallel.alltoall import prepare_send
 from .parallel.ring import group_mean_tokens, layer_traffic, ring_moe
 from .parallel.volume import resolve_ep_mode
@@ -126,6 +126,7 @@ class MoEBlazeRoutedExperts(RoutedExperts):
         super().__init__(config)
         self.options = config.moeblaze
         self.expert_dtype = config.expert_dtype
+        start_compile_workers(self.options.backend)
         # The expert-parallel process group, set by parallelize() when EP > 1.
         self.ep_group = None
         # Rows this rank received in the last exchange (EP > 1, alltoall): its unique
@@ -237,6 +238,7 @@ class _SplitGateUpExperts(torch.autograd.Function):
     def forward(ctx, function, dtype, x, probs, w1, w3, w2, *rest):
         fc1, fc2 = _compute_weights(function, w1, w3, w2, dtype)
         inner = _InnerContext()
+        inner.needs_input_grad = _inner_needs(ctx.needs_input_grad, len(rest))
         y = function.forward(inner, x, probs, fc1, fc2, *rest)
         saved = list(inner.saved)
         # Slots holding the weights in the compute dtype are rebuilt in backward.
@@ -256,8 +258,7 @@ class _SplitGateUpExperts(torch.autograd.Function):
         inner = ctx.inner
         inner.saved_tensors = tuple(saved)
         need = ctx.needs_input_grad
-        # Inner inputs: x, probs, fc1, fc2, then the rest (never differentiable).
-        inner.needs_input_grad = (need[2], need[3], need[4] or need[5], need[6], *(False,) * ctx.num_rest)
+        inner.needs_input_grad = _inner_needs(need, ctx.num_rest)
         grad_x, grad_probs, grad_fc1, grad_fc2 = ctx.function.backward(inner, grad_y)[:4]
         del inner.saved_tensors, weights
         grad_w1 = grad_w3 = None
@@ -267,6 +268,12 @@ class _SplitGateUpExperts(torch.autograd.Function):
         return (None, None, grad_x if need[2] else None, grad_probs if need[3] else None,
                 _as(grad_w1, w1, need[4]), _as(grad_w3, w3, need[5]), _as(grad_fc2, w2, need[6]),
                 *(None,) * ctx.num_rest)
+
+
+def _inner_needs(need, num_rest):
+    """The core Function's needs_input_grad (x, probs, fc1, fc2, then the rest, never
+    differentiable) from ``_SplitGateUpExperts``'s (function, dtype, x, probs, w1, w3, w2, ...)."""
+    return (need[2], need[3], need[4] or need[5], need[6], *(False,) * num_rest)
 
 
 def _compute_weights(function, w1, w3, w2, dtype):

@@ -15,6 +15,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .knobs import KNOBS
+from .launch import gpu_of
 
 EPI_STORE, EPI_ACT_FWD, EPI_ACT_BWD = 0, 1, 2
 ACT_SWIGLU, ACT_SILU, ACT_GELU = 0, 1, 2
@@ -118,6 +119,10 @@ def prune_row_gemm(configs, named_args, **kwargs):
         # 128x128 tiles never won a plain GEMM: timing them only lengthens a shape's first call.
         keep = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) != (128, 128)
                 and not (wide_only and _narrow(c))]
+        if wide_only and args.get("TMA_ROWS"):
+            # Through ragged TMA rows the persistent 128x256 tile won 50 of the 52 tunings on record
+            # (benchmarks/NOTES.md, twenty-first session): it runs untimed.
+            keep = [c for c in keep if c.kwargs.get("PERSISTENT")][:1] or keep
     else:
         keep = configs
     if not KNOBS.autotune:
@@ -141,7 +146,8 @@ def weight_grad_configs():
     else:
         # The row ids are loaded inside the loop and take a pipeline stage of their own, so these
         # need one stage more than the row GEMM for the same depth (5 stages: 3 buffers). The
-        # first four are the TMA operand's winners; 256x128x64 the pointer form's.
+        # first two are the TMA operand's winners (each orientation's first); 256x128x64 the
+        # pointer form's.
         configs = [
             triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
             for bm, bn, bk, w, s in (
@@ -166,8 +172,13 @@ def prune_weight_grad(configs, named_args, **kwargs):
         return configs
     long_side, short_side = ("BLOCK_N", "BLOCK_M") if args["GATHER_A"] else ("BLOCK_M", "BLOCK_N")
     strict = not few_rows_per_expert(args)
-    return [c for c in configs if c.kwargs[long_side] > c.kwargs[short_side]
+    keep = [c for c in configs if c.kwargs[long_side] > c.kwargs[short_side]
             or (c.kwargs[long_side] == c.kwargs[short_side] and not strict)] or configs
+    if strict and args.get("TMA"):
+        # With the ordered operand through TMA, the first long tile of the list won every tuning
+        # on record (45 of 45: benchmarks/NOTES.md, twenty-first session): it runs untimed.
+        keep = keep[:1]
+    return keep
 
 
 def config_label(config) -> str:
@@ -192,7 +203,8 @@ def sm_count(device) -> int:
 def tma_takes(t) -> bool:
     """Whether a TMA descriptor can take ``t``: Hopper or newer (or the interpreter), unit last
     stride, the other strides and the start 16-byte aligned."""
-    if t.is_cuda and capability(t.device.index) < (9, 0):
+    device = gpu_of(t)
+    if device is not None and capability(device.index) < (9, 0):
         return False
     return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
             and all((stride * t.element_size()) % 16 == 0 for stride in t.stride()[:-1]))

@@ -4,9 +4,11 @@
 the first call of each shape (seconds per shape; the tuned configs are up to ~1.5x faster).
 ``MOEBLAZE_DIRECT_LAUNCH=0``: every launch goes through Triton's own launch path (the same
 kernels and results, more host time per launch; see launch.py).
-``MOEBLAZE_COMPILE_THREADS=N``: threads that compile an autotuned launch's configs side by side
-before the autotuner times them (default: the CPU count, at most 8; 0 or 1 compiles them one by
-one, as Triton does).
+``MOEBLAZE_COMPILE_WORKERS=N``: worker processes that compile kernels side by side (a layer's
+whole set at its first call, an autotuned launch's configs before they are timed; see
+compile_workers.py). Default: this rank's share of the CPUs (the CPU count over torchrun's
+LOCAL_WORLD_SIZE), at most 8; 0 compiles everything in the process, one kernel after another, as
+Triton does. (It replaced ``MOEBLAZE_COMPILE_THREADS``, which is refused with a pointer here.)
 ``TRITON_INTERPRET=1``: Triton runs the kernels on CPU tensors in its interpreter (how CI tests
 them); Triton itself reads it when a kernel is decorated, so it must be set before the import.
 
@@ -23,8 +25,10 @@ from dataclasses import dataclass, field
 __all__ = ["KNOBS", "Knobs", "read_knobs"]
 
 
-def default_compile_threads() -> int:
-    return min(8, os.cpu_count() or 1)
+def default_compile_workers(environ: Mapping[str, str] = os.environ) -> int:
+    local_ranks = environ.get("LOCAL_WORLD_SIZE", "1")
+    local_ranks = int(local_ranks) if local_ranks.isdigit() and int(local_ranks) > 0 else 1
+    return max(1, min(8, (os.cpu_count() or 1) // local_ranks))
 
 
 @dataclass
@@ -32,7 +36,7 @@ class Knobs:
     autotune: bool = True
     direct_launch: bool = True
     interpret: bool = False
-    compile_threads: int = field(default_factory=default_compile_threads)
+    compile_workers: int = field(default_factory=default_compile_workers)
 
 
 def _flag(environ: Mapping[str, str], name: str, default: str) -> bool:
@@ -53,10 +57,13 @@ def _count(environ: Mapping[str, str], name: str, default: int) -> int:
 
 def read_knobs(environ: Mapping[str, str]) -> Knobs:
     """The knobs an environment sets; a ValueError naming a knob set to something it cannot take."""
+    if "MOEBLAZE_COMPILE_THREADS" in environ:
+        raise ValueError("MOEBLAZE_COMPILE_THREADS is gone: compiling side by side now runs in worker processes, "
+                         "set MOEBLAZE_COMPILE_WORKERS=N instead (0: compile in the process)")
     return Knobs(
         autotune=_flag(environ, "MOEBLAZE_AUTOTUNE", "1"),
         direct_launch=_flag(environ, "MOEBLAZE_DIRECT_LAUNCH", "1"),
-        compile_threads=_count(environ, "MOEBLAZE_COMPILE_THREADS", default_compile_threads()),
+        compile_workers=_count(environ, "MOEBLAZE_COMPILE_WORKERS", default_compile_workers(environ)),
         # Triton's own reading: anything but "1" runs the compiled kernels.
         interpret=environ.get("TRITON_INTERPRET") == "1",
     )

@@ -22,12 +22,18 @@ call with a config of its choosing.
 An autotuned launch whose pruning keeps one config (the activation backward always; every launch
 under MOEBLAZE_AUTOTUNE=0 or the interpreter) runs that config directly, untimed: Triton 3.6 would
 time it, and timing an in-place epilogue needs a copy of what it overwrites. One that keeps more
-has them compiled side by side before the autotuner times them (``compile_ahead``,
-MOEBLAZE_COMPILE_THREADS).
+has them compiled side by side in the compile workers before the autotuner times them
+(``compile_ahead``, MOEBLAZE_COMPILE_WORKERS).
+
+Inside ``recording(device)`` launches are collected as ``KernelCall``s, not run: code run there on
+meta tensors standing for ``device``'s (``gpu_of`` says which device a tensor stands for) lists
+what it would launch, and ``prefetch`` hands those launches' compiles to the workers ahead of time.
 """
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
@@ -35,6 +41,7 @@ import triton
 from triton.runtime.autotuner import Autotuner
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import compile_workers
 from .knobs import KNOBS
 
 # Signatures past this count start a fresh cache (shapes that change every step, as token counts
@@ -42,6 +49,43 @@ from .knobs import KNOBS
 MAX_ENTRIES = 4096
 
 _entries: dict = {}
+
+
+class _Recording(NamedTuple):
+    calls: list
+    device: torch.device
+
+
+_recording: ContextVar[_Recording | None] = ContextVar("moeblaze_launch_recording", default=None)
+
+
+@contextlib.contextmanager
+def recording(device):
+    """Inside the block ``launch`` appends each call to the yielded list instead of running it;
+    meta tensors stand for ``device``'s (``gpu_of``)."""
+    calls = []
+    token = _recording.set(_Recording(calls, torch.device(device)))
+    try:
+        yield calls
+    finally:
+        _recording.reset(token)
+
+
+def stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``t``'s dtype, shape and strides whose address has ``t``'s 16-byte
+    alignment (what the kernels specialize on), for code run inside ``recording``."""
+    offset = (t.data_ptr() % 16) // t.element_size()
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+    return torch.empty(offset + extent, dtype=t.dtype, device="meta").as_strided(t.shape, t.stride(), offset)
+
+
+def gpu_of(t: torch.Tensor) -> torch.device | None:
+    """The GPU a tensor is on, or stands for (a meta tensor inside ``recording``); None for the
+    others (CPU tensors, which the interpreter runs)."""
+    if t.is_cuda:
+        return t.device
+    rec = _recording.get()
+    return rec.device if rec is not None and t.is_meta and rec.device.type == "cuda" else None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -121,6 +165,10 @@ def launch(kernel, grid, args, constexprs):
     of one; ``args`` are the leading parameters, positional; ``constexprs`` by name; ``grid`` a
     tuple or a function of the constexprs and the config's values (``meta["BLOCK_M"]``).
     An autotuned launch whose pruning keeps one config runs that config without the autotuner."""
+    rec = _recording.get()
+    if rec is not None:
+        rec.calls.append(KernelCall(kernel, grid, args, constexprs))
+        return
     if KNOBS.interpret or not KNOBS.direct_launch or _hooks_set():
         _through_triton(*_one_config(kernel, args, constexprs), grid, args)
         return
@@ -132,6 +180,8 @@ def launch(kernel, grid, args, constexprs):
         return
     # The pruning reads the constexprs only (both kernels' rules), so the key decides it too.
     kernel, constexprs = _one_config(kernel, args, constexprs)
+    compile_workers.start()  # ready for the first autotuned launch or layer prefetch
+    compile_workers.wait_for(kernel.autotuner if isinstance(kernel, _OneConfig) else kernel)
     compiled = _through_triton(kernel, constexprs, grid, args)
     if len(_entries) >= MAX_ENTRIES:
         _entries.clear()
@@ -179,38 +229,66 @@ def _through_triton(kernel, constexprs, grid, args):
             kernel.nargs = None
 
 
-_compile_pool = None
-
-
 def compile_ahead(autotuner, grid, args, constexprs) -> int:
-    """Compile, side by side in ``KNOBS.compile_threads`` threads (Triton's ``AsyncCompileMode``),
-    every config the autotuner is about to time for a new tuning key, instead of one by one as
-    it times them; returns how many configs it handed to the compiler (0 where the key is tuned
-    already, one config or none is kept, or the knob says 1 or 0). Compiling holds the GIL little,
-    so threads suffice (benchmarks/NOTES.md has the measurement). A config that fails to compile
-    is left for the autotuner, which reports or skips it as it would have."""
-    global _compile_pool
-    if KNOBS.interpret or KNOBS.compile_threads < 2 or autotuner.early_config_prune is None:
+    """Compile in the compile workers, side by side, every config the autotuner is about to time
+    for a new tuning key, and wait for them (the autotuner then finds them in Triton's disk cache);
+    returns how many compiles it submitted (0 where the key is tuned already, the workers are off,
+    or the configs were submitted before, by ``prefetch``). A config that fails in a worker is
+    left to the autotuner, which reports or skips it as it would have."""
+    if not compile_workers.enabled():
         return 0
     named = dict(zip(autotuner.arg_names, args))
     if _tuning_key(autotuner, named, constexprs) in autotuner.cache:
         return 0
-    kept = autotuner.early_config_prune(autotuner.configs, named, **constexprs)
-    if len(kept) < 2:
+    submitted = compile_workers.submit(compile_requests(KernelCall(autotuner, grid, args, constexprs)))
+    compile_workers.wait_for(autotuner)
+    return submitted
+
+
+def prefetch(calls) -> int:
+    """Hand the compiles of ``calls`` (``recording``'s) to the compile workers without waiting:
+    every config an autotuned one would time (its tuned config only, where its key is tuned);
+    returns how many were submitted (0 with the workers off)."""
+    if not compile_workers.enabled():
         return 0
-    from concurrent.futures import ThreadPoolExecutor
+    return compile_workers.submit([request for call in calls for request in compile_requests(call)])
 
-    from triton.runtime._async_compile import AsyncCompileMode
 
-    if _compile_pool is None:
-        _compile_pool = ThreadPoolExecutor(KNOBS.compile_threads, thread_name_prefix="moeblaze-compile")
-    with AsyncCompileMode(_compile_pool, ignore_errors=True):
-        for config in kept:
-            values = {**constexprs, **config.all_kwargs()}
-            if config.pre_hook is not None:  # the config's TMA boxes: part of what is compiled
-                config.pre_hook({**named, **values})
-            autotuner.fn.warmup(*args, grid=grid, **values)
-    return len(kept)
+def recorded_launches(device, run) -> list:
+    """The ``KernelCall``s that ``run()`` launches, run inside ``recording(device)`` (over meta
+    tensors standing for ``device``'s); one that cannot follow meta tensors ends the list early
+    (its launches then compile as they come)."""
+    with recording(device) as calls, contextlib.suppress(Exception):
+        run()
+    return calls
+
+
+def compile_requests(call: KernelCall) -> list:
+    """The compile requests (``compile_workers.capture``) of one launch: of each config an
+    autotuned kernel would run or time, of the kernel itself otherwise; none for what this
+    process has compiled already."""
+    kernel, grid, args, constexprs = call
+    kernel, constexprs = _one_config(kernel, args, constexprs)
+    if isinstance(kernel, _OneConfig):
+        variants = [(kernel.autotuner.fn, kernel.config, constexprs)]
+    elif isinstance(kernel, Autotuner):
+        named = dict(zip(kernel.arg_names, args))
+        tuned = kernel.cache.get(_tuning_key(kernel, named, constexprs))
+        if tuned is not None:
+            configs = [tuned]
+        elif kernel.early_config_prune is not None:
+            configs = kernel.early_config_prune(kernel.configs, named, **constexprs)
+        else:
+            configs = kernel.configs
+        variants = [(kernel.fn, config, {**constexprs, **config.all_kwargs()}) for config in configs]
+    else:
+        variants = [(kernel, None, constexprs)]
+    with compile_workers.capture() as requests:
+        for fn, config, values in variants:
+            if config is not None and config.pre_hook is not None:  # the config's TMA boxes: part of the kernel
+                config.pre_hook({**dict(zip(fn.arg_names, args)), **values})
+            fn.warmup(*args, grid=grid, **values)
+    return requests
 
 
 def _tuning_key(autotuner, named, constexprs) -> tuple:

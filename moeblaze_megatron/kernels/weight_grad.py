@@ -15,7 +15,7 @@ import triton.language as tl
 from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
 
 from .configs import capability, prune_weight_grad, ragged_tma_takes, weight_grad_configs
-from .launch import KernelCall, cdiv, launch_call, next_pow2
+from .launch import KernelCall, cdiv, gpu_of, launch_call, next_pow2
 from .numerics import dot, dot_flags, to_storage
 
 __all__ = ["gathered_weight_grad", "grouped_weight_grads_apply", "weight_grad", "weight_grad_call",
@@ -80,10 +80,10 @@ def grouped_weight_grads_apply(x, ffn: int) -> bool:
     """Whether the weight gradients run as ``gathered_weight_grad``: bfloat16 on a GPU of compute
     capability 9.0 or newer, experts at least as wide as x (``ffn >= hidden``), rows of both widths
     16 bytes apart (the strides torch._grouped_mm takes; the kernel runs any width)."""
-    hidden = x.shape[1]
-    return (ffn >= hidden and x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    hidden, device = x.shape[1], gpu_of(x)
+    return (ffn >= hidden and device is not None and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and (hidden * x.element_size()) % 16 == 0 and (ffn * x.element_size()) % 16 == 0
-            and capability(x.device.index) >= (9, 0))
+            and capability(device.index) >= (9, 0))
 
 
 def gathered_weight_grad(a, b, plan, *, gather_a, buffer):

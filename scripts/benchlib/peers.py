@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from moeblaze_megatron import moe_mlp
+from moeblaze_megatron.moe_mlp import start_compile_workers
 
 # Liger's fused MoE autotunes over many configs on every new shape, which would dominate a
 # benchmark run; DESIGN.md measured it with autotuning off too.
@@ -49,6 +50,7 @@ class MoEBlaze(Impl):
 
     def __init__(self, fc1, fc2, activation, num_experts, topk):
         super().__init__(fc1, fc2, activation, num_experts, topk)
+        start_compile_workers()  # as the Megatron and torchtitan layers do when built
         self.fc1 = fc1.detach().clone().requires_grad_()
         self.fc2 = fc2.detach().clone().requires_grad_()
 

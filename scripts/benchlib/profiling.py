@@ -159,11 +159,16 @@ def timeline(prof, step_name):
 def compile_times():
     """Triton's compilations inside the block, through its compilation listener: a dict with
     ``kernels`` (compiled, not found in the disk cache), ``cache_hits``, ``seconds`` (all stages)
-    and ``ptxas_seconds`` (the cubin stage, a subprocess). What a first call spends beyond them
-    is the autotuner's timing runs and the step itself."""
+    and ``ptxas_seconds`` (the cubin stage, a subprocess), and, at the block's end, what the
+    compile workers did meanwhile (``worker_kernels``, ``worker_seconds`` summed over them: this
+    process then finds those kernels as cache hits). What a first call spends beyond them is the
+    autotuner's timing runs and the step itself."""
     import triton
 
+    from moeblaze_megatron.kernels import compile_workers
+
     totals = {"kernels": 0, "cache_hits": 0, "seconds": 0.0, "ptxas_seconds": 0.0}
+    workers_before = compile_workers.stats()
     previous = triton.knobs.compilation.listener
 
     def listener(*, src, metadata, metadata_group, times, cache_hit):
@@ -182,3 +187,6 @@ def compile_times():
         yield totals
     finally:
         triton.knobs.compilation.listener = previous
+        workers = compile_workers.stats()
+        totals["worker_kernels"] = workers["compiled"] - workers_before["compiled"]
+        totals["worker_seconds"] = workers["seconds"] - workers_before["seconds"]

@@ -105,63 +105,19 @@ def test_tuning_key_is_the_autotuners_own():
     assert list(kernel.cache) == [launch_mod._tuning_key(kernel, {"out_ptr": out, "n": 16, "value": 0}, {})]
 
 
-_COMPILE_AHEAD = """
-import json
-from benchlib.compile_report import offline_target, layer_launches
-from benchlib.profiling import compile_times
-from moeblaze_megatron.kernels import launch
-from moeblaze_megatron.kernels.knobs import KNOBS
-
-KNOBS.compile_threads = 2
-with offline_target():
-    call = layer_launches(64, 32, 32, 4, 2)["fc1_act"]
-    kernel, named = call.kernel, dict(zip(call.kernel.arg_names, call.args))
-    kept = kernel.early_config_prune(kernel.configs, named, **call.constexprs)
-    with compile_times() as ahead:
-        handed = launch.compile_ahead(kernel, call.grid, call.args, call.constexprs)
-    with compile_times() as again:  # each kept config once more, as the autotuner will launch it
-        for config in kept:
-            values = {**call.constexprs, **config.all_kwargs()}
-            config.pre_hook({**named, **values})
-            kernel.fn.warmup(*call.args, grid=call.grid, **values)
-    kernel.cache[launch._tuning_key(kernel, named, call.constexprs)] = kept[0]
-    tuned = launch.compile_ahead(kernel, call.grid, call.args, call.constexprs)
-    kernel.cache.clear()
-    KNOBS.compile_threads = 1
-    off = launch.compile_ahead(kernel, call.grid, call.args, call.constexprs)
-print(json.dumps(dict(kept=len(kept), handed=handed, ahead=ahead["kernels"], again=again["kernels"] + again["cache_hits"],
-                      tuned=tuned, off=off)))
-"""
-
-
-def test_configs_compile_ahead_side_by_side(tmp_path):
-    # Compiled for sm_90a against a stand-in driver (no GPU), in a process without the interpreter,
-    # into a fresh Triton cache: every config the autotuner is to time is compiled ahead, so its
-    # own launches compile nothing; a tuned key or the knob at 1 hands nothing over.
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    # Neither the interpreter nor tests/gpu's MOEBLAZE_AUTOTUNE=0 (set at its collection): the
-    # GPU's full config lists are built at import.
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOEBLAZE_AUTOTUNE")}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join([str(root), str(root / "scripts")]))
-    done = subprocess.run([sys.executable, "-c", _COMPILE_AHEAD], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr
-    got = json.loads(done.stdout.splitlines()[-1])
-    assert got["kept"] >= 2 and got["handed"] == got["ahead"] == got["kept"], got
-    assert got["again"] == 0 and got["tuned"] == 0 and got["off"] == 0, got
-
-
-def test_compile_threads_knob():
+def test_compile_workers_knob():
     import os
 
-    assert read_knobs({}).compile_threads == min(8, os.cpu_count() or 1)
-    assert read_knobs({"MOEBLAZE_COMPILE_THREADS": "0"}).compile_threads == 0
-    assert read_knobs({"MOEBLAZE_COMPILE_THREADS": "16"}).compile_threads == 16
+    cpus = os.cpu_count() or 1
+    assert read_knobs({}).compile_workers == max(1, min(8, cpus))
+    # torchrun's ranks on one machine share its CPUs.
+    assert read_knobs({"LOCAL_WORLD_SIZE": "4"}).compile_workers == max(1, min(8, cpus // 4))
+    assert read_knobs({"LOCAL_WORLD_SIZE": str(4 * cpus)}).compile_workers == 1
+    assert read_knobs({"MOEBLAZE_COMPILE_WORKERS": "0"}).compile_workers == 0
+    assert read_knobs({"MOEBLAZE_COMPILE_WORKERS": "16"}).compile_workers == 16
     for bad in ("-1", "two", "1.5"):
-        with pytest.raises(ValueError, match=f"MOEBLAZE_COMPILE_THREADS must be a whole number .*got '{bad}'"):
-            read_knobs({"MOEBLAZE_COMPILE_THREADS": bad})
+        with pytest.raises(ValueError, match=f"MOEBLAZE_COMPILE_WORKERS must be a whole number .*got '{bad}'"):
+            read_knobs({"MOEBLAZE_COMPILE_WORKERS": bad})
+    # The knob it replaced is refused, not ignored.
+    with pytest.raises(ValueError, match="MOEBLAZE_COMPILE_THREADS is gone.*MOEBLAZE_COMPILE_WORKERS"):
+        read_knobs({"MOEBLAZE_COMPILE_THREADS": "8"})

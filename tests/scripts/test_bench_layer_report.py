@@ -101,6 +101,11 @@ def test_first_call_compile_times_come_from_tritons_listener():
     finally:
         triton.knobs.compilation.listener = None
     assert seen == [False, True, False]  # and it saw every compilation meanwhile
-    assert compiled == {"kernels": 2, "cache_hits": 1, "seconds": pytest.approx(3.5), "ptxas_seconds": pytest.approx(2.5)}
+    assert compiled == {"kernels": 2, "cache_hits": 1, "seconds": pytest.approx(3.5), "ptxas_seconds": pytest.approx(2.5),
+                        "worker_kernels": 0, "worker_seconds": 0.0}  # no compile workers under the interpreter
     assert _compiled_text({"first_call_compile": compiled}) == " (compiling 3.5 s, ptxas 2.5, 2 kernels)"
+    # What the compile workers did is named beside it.
+    helped = dict(compiled, kernels=1, worker_kernels=11, worker_seconds=13.4)
+    assert _compiled_text({"first_call_compile": helped}) == (
+        " (compiling 3.5 s, ptxas 2.5, 1 kernels; in workers 11 kernels, 13.4 s)")
     assert _compiled_text({"first_call_compile": {"kernels": 0}}) == _compiled_text({}) == ""

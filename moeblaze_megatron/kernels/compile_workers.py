@@ -1,0 +1,338 @@
+"""Triton compiles in worker processes, side by side, into Triton's disk cache.
+
+Triton's compiler holds the GIL for most of its work (its code generator is Python): eight threads
+compiled a layer's kernels 1.4x faster than one on the H200 machine (benchmarks/NOTES.md). Worker
+processes compile in parallel for real. A request is Triton's own serialization of one kernel
+specialization (the ``specialization_data`` its ``jit_cache_hook`` receives, which
+``JITFunction.preload`` reads back); a worker compiles it for the given target into Triton's disk
+cache, where this process's own compile of the same kernel then finds it (a cache hit).
+
+``capture()`` collects the requests of the ``warmup`` calls made inside it, compiling nothing;
+``submit`` hands requests to the workers (each one once per process); ``wait_for`` waits for a
+kernel's submitted requests before the process compiles that kernel itself. Workers start on
+first use (``start``: a Python process each, without torch, fed by a thread here) and exit after
+``IDLE_EXIT_S`` without work; ``KNOBS.compile_workers`` sets how many (0: none, every kernel
+compiles in the process as Triton does). A worker that fails costs only its speed-up: the process
+compiles what the workers did not, and reports compile errors itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+
+from .knobs import KNOBS
+
+# A worker's reader thread closes its process after this long without a request.
+IDLE_EXIT_S = 120.0
+# The longest wait for one kernel's requests; past it the process compiles the kernel itself.
+WAIT_LIMIT_S = 600.0
+# Past this many distinct requests the record of what was submitted starts afresh.
+MAX_REQUESTS = 4096
+
+_lock = threading.Lock()
+_requests: dict[tuple, Future] = {}  # (module, name, specialization) -> its compile
+_by_kernel: dict[tuple, list[Future]] = {}  # (module, qualname) -> compiles not waited for yet
+_stats = {"submitted": 0, "compiled": 0, "failed": 0, "seconds": 0.0}
+
+
+def enabled() -> bool:
+    """Whether compiles go to worker processes: compiled kernels (not the interpreter), at least
+    one worker asked for, and none of them found broken."""
+    return not KNOBS.interpret and KNOBS.compile_workers > 0 and _pool().broken is None
+
+
+@contextlib.contextmanager
+def capture():
+    """Inside the block, a ``warmup`` (or launch) of a kernel this process has not compiled yet
+    records its compile request in the yielded list instead of compiling (Triton's
+    ``jit_cache_hook``); nothing is launched."""
+    import triton
+
+    requests = []
+
+    def hook(**kwargs):
+        fn = kwargs["fn"]
+        requests.append({"module": fn.module, "name": fn.name, "spec": kwargs["compile"]["specialization_data"]})
+        return True  # skip the compile
+
+    previous = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = hook
+    try:
+        yield requests
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+
+
+def submit(requests) -> int:
+    """Queue ``requests`` (``capture``'s) for the workers, first in first compiled, each distinct
+    one once; returns how many were new. Nothing where the workers are off."""
+    if not requests or not enabled():
+        return 0
+    import triton
+    from triton.runtime import driver
+
+    target = driver.active.get_current_target()
+    common = {"target": [target.backend, target.arch, target.warp_size], "cache_dir": triton.knobs.cache.dir}
+    pool, new = _pool(), 0
+    with _lock:
+        if len(_requests) > MAX_REQUESTS:
+            _requests.clear()
+        for request in requests:
+            key = (request["module"], request["name"], request["spec"])
+            if key in _requests:
+                continue
+            future = Future()
+            _requests[key] = future
+            _by_kernel.setdefault(key[:2], []).append(future)
+            pool.queue.put(({**request, **common}, future))
+            new += 1
+        _stats["submitted"] += new
+    pool.start()
+    return new
+
+
+def wait_for(kernel) -> None:
+    """Wait until every submitted request of ``kernel`` (a JIT function or an autotuner over one)
+    is compiled or failed, at most ``WAIT_LIMIT_S``."""
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(kernel, JITFunction):  # an autotuner (or heuristics) over it
+        kernel = kernel.fn
+    with _lock:
+        futures = _by_kernel.pop((kernel.fn.__module__, kernel.fn.__qualname__), None)
+    if futures:
+        wait_futures(futures, timeout=WAIT_LIMIT_S)
+
+
+def ready() -> bool:
+    """Whether a worker is up (past its imports, seconds after ``start``): a handful of small
+    kernels needed at once compile faster here than behind a worker's start-up."""
+    return enabled() and _pool().ready > 0
+
+
+def start() -> None:
+    """Start the workers (if on and not running), so they are ready when the first requests come."""
+    if enabled():
+        _pool().start()
+
+
+def stats() -> dict:
+    """Requests submitted, compiled and failed in the workers so far, and the workers' compile
+    seconds (summed over them)."""
+    with _lock:
+        return dict(_stats)
+
+
+class _Pool:
+    """``size`` worker processes fed from one queue, each by a thread of this process."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.queue: queue.Queue = queue.Queue()
+        self.live = 0
+        self.ready = 0  # workers past their imports
+        self.broken: str | None = None
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        with self.lock:
+            while self.live < self.size and self.broken is None:
+                self.live += 1
+                threading.Thread(target=self._serve, name="moeblaze-compile-worker", daemon=True).start()
+
+    def _serve(self) -> None:
+        process = None
+        try:
+            process = subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, _package_root()], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
+            if not process.stdout.readline():  # its "ready" line: imports done
+                raise RuntimeError(f"a compile worker exited at start with code {process.wait()}")
+            with self.lock:
+                self.ready += 1
+            while True:
+                try:
+                    request, future = self.queue.get(timeout=IDLE_EXIT_S)
+                except queue.Empty:
+                    return
+                if not future.set_running_or_notify_cancel():
+                    continue
+                process.stdin.write(json.dumps(request) + "\n")
+                process.stdin.flush()
+                line = process.stdout.readline()
+                if not line:
+                    future.set_exception(RuntimeError("a compile worker exited"))
+                    raise RuntimeError(f"a compile worker exited with code {process.wait()}")
+                reply = json.loads(line)
+                with _lock:
+                    _stats["compiled" if reply["ok"] else "failed"] += 1
+                    _stats["seconds"] += reply.get("seconds", 0.0)
+                if reply["ok"]:
+                    future.set_result(reply["seconds"])
+                else:
+                    future.set_exception(RuntimeError(reply["error"]))
+        except Exception as exc:  # no worker: the process compiles everything itself
+            self._break(f"{type(exc).__name__}: {exc}")
+        finally:
+            with self.lock:
+                self.live -= 1
+                self.ready = min(self.ready, self.live)
+            if process is not None:
+                with contextlib.suppress(Exception):
+                    process.stdin.close()
+                    process.wait(timeout=10)
+
+    def _break(self, reason: str) -> None:
+        """Stop using workers: fail every queued request, so nobody waits on it."""
+        with self.lock:
+            if self.broken is None:
+                self.broken = reason
+                print(f"moeblaze: compile workers unavailable ({reason}); compiling in this process", file=sys.stderr)
+        while True:
+            try:
+                _, future = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError(reason))
+
+
+_the_pool: _Pool | None = None
+
+
+def _package_root() -> str:
+    """The directory holding this package (however this process found it)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# A worker's start: the kernels' modules without the package root's (which imports torch) and
+# without torch itself (seconds to import; the kernel modules use it only inside functions), then
+# ``serve_stdio``. A compile that did reach for torch fails in the worker, and the requesting
+# process compiles that kernel itself.
+_BOOTSTRAP = """
+import sys, types
+root = sys.argv[1]
+sys.path.insert(0, root)
+package = types.ModuleType("moeblaze_megatron")
+package.__path__ = [root + "/moeblaze_megatron"]
+sys.modules["moeblaze_megatron"] = package
+
+class NoTorch(types.ModuleType):
+    def __getattr__(self, name):
+        raise AttributeError(f"torch.{name}: a compile worker runs without torch")
+
+sys.modules["torch"] = NoTorch("torch")
+from moeblaze_megatron.kernels.compile_workers import serve_stdio
+serve_stdio()
+"""
+
+
+def _pool() -> _Pool:
+    global _the_pool
+    if _the_pool is None:
+        _the_pool = _Pool(KNOBS.compile_workers)
+    return _the_pool
+
+
+# The worker's side.
+
+
+def compile_request(request) -> float:
+    """Compile one request into Triton's disk cache (``request["cache_dir"]``); returns seconds.
+
+    The specialization is decoded as ``JITFunction.preload`` does it, and compiled with Triton's
+    own ``compile`` for the request's target, so that the requesting process's compile of the
+    same kernel computes the same cache key."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import JITFunction
+
+    if request.get("cache_dir"):
+        triton.knobs.cache.dir = request["cache_dir"]
+    fn = _resolve(request["module"], request["name"])
+    while not isinstance(fn, JITFunction):
+        fn = fn.fn
+    data = json.loads(request["spec"])
+
+    def constant(value):
+        if isinstance(value, str) and tl.dtype.is_dtype(value):
+            return tl.dtype(value)
+        if isinstance(value, dict) and "constexpr" in value:
+            return tl.constexpr(_tuples(value["constexpr"]))
+        if isinstance(value, dict) and "jit_function" in value:
+            return _resolve(*value["jit_function"].split(":"))
+        return _tuples(value)
+
+    constexprs = {tuple(k): constant(v) for k, v in zip(data["constant_keys"], data["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}
+    signature = {k: _tuples(v) for k, v in data["signature"].items()}
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
+    target = GPUTarget(*request["target"])
+    options = make_backend(target).parse_options(options)
+    src = getattr(fn, "ASTSource", triton.compiler.ASTSource)(fn, signature, constexprs, attrs)
+    started = time.perf_counter()
+    kernel = triton.compile(src, target=target, options=options.__dict__)
+    _build_launcher(kernel)
+    return time.perf_counter() - started
+
+
+def _build_launcher(kernel) -> None:
+    """Build the kernel's host launcher (a C module, compiled by the system compiler: ~0.3 s on the
+    H200 machine) into Triton's cache too, where the requesting process then finds it; nothing
+    is loaded on a GPU. Best effort: where it cannot (no CUDA library here, another Triton's
+    driver API), the requesting process builds it as it would have."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        CudaLauncher(kernel.src, kernel.metadata)
+    except Exception:
+        pass
+
+
+def _resolve(module: str, qualname: str):
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _tuples(value):
+    """JSON's lists back into the tuples Triton serialized (it takes no lists in a signature)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _serve_requests(requests, replies) -> None:
+    """One JSON request per line in, one JSON reply per line out, until the input closes."""
+    for line in requests:
+        try:
+            reply = {"ok": True, "seconds": compile_request(json.loads(line))}
+        except Exception as exc:
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
+def serve_stdio() -> None:
+    """A worker's loop over its standard input and output (see ``_BOOTSTRAP``): the kernel modules
+    imported first, then a "ready" line, then one reply per request."""
+    # The replies get the original stdout; anything else printed to it goes to stderr instead.
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    for name in ("row_gemm", "weight_grad", "combine", "plan_three_step", "plan_sort"):
+        with contextlib.suppress(Exception):
+            importlib.import_module(f"{__package__}.{name}")
+    replies.write(json.dumps({"ready": True}) + "\n")
+    replies.flush()
+    _serve_requests(sys.stdin, replies)

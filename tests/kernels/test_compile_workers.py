@@ -1,0 +1,201 @@
+"""kernels/compile_workers.py and the layer's prefetch (fused.layer_launches, launch.prefetch):
+the launches the layer predicts on meta tensors are the ones its passes make (under the
+interpreter); worker processes compile them for sm_90a into Triton's disk cache, where this
+process's own compile then finds every one (no GPU: a stand-in driver names the target, in a
+process without the interpreter); a worker that fails or cannot start leaves the compile to the
+process, and nothing waits on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeblaze_megatron import build_routing_plan
+from moeblaze_megatron.fused import fused_backward, fused_forward, layer_launches
+from moeblaze_megatron.kernels import compile_workers
+from moeblaze_megatron.kernels import launch as launch_mod
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+_ONE_CONFIG = launch_mod._one_config
+
+
+def _signature(kernel, constexprs, args):
+    """What a launch compiles to: the kernel, its constexprs (a lone config's values among them)
+    and every argument's launch key (dtype and alignment, int values, descriptor layouts)."""
+    kernel, constexprs = _ONE_CONFIG(kernel, args, constexprs)
+    base = kernel.autotuner if isinstance(kernel, launch_mod._OneConfig) else kernel
+    name = (base.fn if hasattr(base, "configs") else base).__name__
+    return name, tuple(sorted(constexprs.items())), tuple(map(launch_mod._arg_key, args))
+
+
+def _layer(activation, pair, T=40, d=32, h=48, E=4, K=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(T, E, generator=g).topk(K, dim=1).indices
+    ids[3, -1] = -1  # a dropped slot
+    plan = build_routing_plan(ids, E)
+    x = torch.randn(T, d, generator=g).to(torch.bfloat16).requires_grad_()
+    probs = torch.rand(T, K, generator=g).requires_grad_()
+    width = 2 * h if activation == "swiglu" else h
+    fc1 = torch.randn(E, width, d, generator=g).to(torch.bfloat16)
+    fc1 = tuple(w.contiguous().requires_grad_() for w in fc1.split(h, dim=1)) if pair else fc1.requires_grad_()
+    fc2 = torch.randn(E, d, h, generator=g).to(torch.bfloat16).requires_grad_()
+    return x, probs, fc1, fc2, plan
+
+
+@pytest.mark.parametrize("activation,pair,recompute,needs", [
+    ("swiglu", False, "activation", (True, True, True, True)),
+    ("swiglu", True, "fc1", (True, True, True, True)),
+    ("swiglu", False, "activation", (False, False, True, True)),  # frozen input, weights only
+    ("swiglu", True, "activation", (False, True, False, False)),  # the router's gradient alone
+    ("gelu", False, "fc1", (True, False, False, False)),
+])
+def test_the_predicted_launches_are_the_passes_own(monkeypatch, activation, pair, recompute, needs):
+    x, probs, fc1, fc2, plan = _layer(activation, pair)
+    made = []
+
+    def spy(kernel, args, constexprs):  # every launch asks it first, before any pre-hook runs
+        made.append(_signature(kernel, constexprs, args))
+        return _ONE_CONFIG(kernel, args, constexprs)
+
+    monkeypatch.setattr(launch_mod, "_one_config", spy)
+    with torch.no_grad():  # the passes TritonMoEMLP runs (its forward, then its backward)
+        y, probs_sorted, pre = fused_forward(x, probs, fc1, fc2, plan, activation, save_pre=recompute == "activation")
+        fused_backward(torch.randn_like(y), x, probs_sorted, fc1, fc2, plan, activation, pre, needs)
+    monkeypatch.setattr(launch_mod, "_one_config", _ONE_CONFIG)
+    predicted = [_signature(call.kernel, call.constexprs, call.args)
+                 for call in layer_launches(x, probs, fc1, fc2, plan, activation, recompute, needs)]
+    assert len(made) >= 4 and predicted == made
+    # Nothing but the backward's launches is added by asking for gradients.
+    forward_only = layer_launches(x, probs, fc1, fc2, plan, activation, recompute, (False,) * 4)
+    assert [_signature(c.kernel, c.constexprs, c.args) for c in forward_only] == made[:len(forward_only)] < made
+
+
+@pytest.mark.parametrize("method", ["three_step", "sort"])
+def test_the_predicted_plan_launches_are_the_builds_own(monkeypatch, method):
+    from moeblaze_megatron.kernels.plan_sort import sort_routing_plan
+    from moeblaze_megatron.kernels.plan_three_step import three_step_routing_plan
+
+    build = three_step_routing_plan if method == "three_step" else sort_routing_plan
+    ids = torch.rand(37, 6, generator=torch.Generator().manual_seed(1)).topk(3, dim=1).indices
+    made = []
+
+    def spy(kernel, args, constexprs):
+        made.append(_signature(kernel, constexprs, args))
+        return _ONE_CONFIG(kernel, args, constexprs)
+
+    monkeypatch.setattr(launch_mod, "_one_config", spy)
+    build(ids, 6)
+    monkeypatch.setattr(launch_mod, "_one_config", _ONE_CONFIG)
+    stand_in = launch_mod.stand_in(ids)
+    assert stand_in.is_meta and stand_in.shape == ids.shape and stand_in.stride() == ids.stride()
+    predicted = launch_mod.recorded_launches(ids.device, lambda: build(stand_in, 6))
+    assert made and [_signature(c.kernel, c.constexprs, c.args) for c in predicted] == made
+
+
+def test_a_stand_in_keeps_the_alignment():
+    base = torch.empty(64, dtype=torch.bfloat16)
+    for offset in (0, 1, 3, 8):
+        view = base[offset:offset + 32].view(4, 8)
+        got = launch_mod.stand_in(view)
+        assert got.is_meta and got.shape == view.shape and got.stride() == view.stride()
+        assert (got.data_ptr() % 16 == 0) == (view.data_ptr() % 16 == 0)
+
+
+def test_the_prefetch_needs_workers_and_a_gpu():
+    # Under the interpreter nothing compiles: no workers, no requests.
+    x, probs, fc1, fc2, plan = _layer("swiglu", False)
+    assert not compile_workers.enabled()
+    assert compile_workers.submit([{"module": "m", "name": "n", "spec": "{}"}]) == 0
+    from moeblaze_megatron.fused import prefetch_layer_kernels
+
+    assert prefetch_layer_kernels(x, probs, fc1, fc2, plan, "swiglu", "activation", (True,) * 4) == 0
+
+
+_IN_WORKERS = """
+import json, sys
+from benchlib.compile_report import layer_launches, offline_target
+from benchlib.profiling import compile_times
+from moeblaze_megatron.kernels import compile_workers, launch
+from moeblaze_megatron.kernels.knobs import KNOBS
+
+KNOBS.compile_workers = 2
+out = {}
+with offline_target():
+    calls = layer_launches(64, 32, 32, 4, 2)
+    # The layer's launches, handed over at once (as the layer's prefetch does), then compiled here.
+    names = ["fc1_act", "fc2", "dh_act_bwd", "dw1"]
+    out["submitted"] = launch.prefetch([calls[n] for n in names])
+    out["again"] = launch.prefetch([calls[n] for n in names])  # each request once
+    with compile_times() as here:
+        for name in names:
+            call = calls[name]
+            compile_workers.wait_for(call.kernel)
+            kernel = call.kernel
+            named = dict(zip(kernel.arg_names, call.args))
+            for config in kernel.early_config_prune(kernel.configs, named, **call.constexprs):
+                values = {**call.constexprs, **config.all_kwargs()}
+                config.pre_hook({**named, **values})
+                kernel.fn.warmup(*call.args, grid=call.grid, **values)
+    out["here"] = here
+    # A launch whose configs are compiled now: compile_ahead has nothing to hand over.
+    out["ahead_compiled"] = launch.compile_ahead(calls["fc1_act"].kernel, calls["fc1_act"].grid,
+                                                 calls["fc1_act"].args, calls["fc1_act"].constexprs)
+    # A request no worker can resolve fails in the worker; waiting for it returns.
+    bad = {"module": "no_such_module_here", "name": "k", "spec": "{}"}
+    compile_workers.submit([bad])
+    compile_workers._by_kernel.pop(("no_such_module_here", "k"))[0].exception(timeout=120)
+    out["stats"] = compile_workers.stats()
+    out["enabled"] = compile_workers.enabled()
+print(json.dumps(out))
+"""
+
+
+def _run_offline(code, tmp_path, **env_extra):
+    # Neither the interpreter nor tests/gpu's MOEBLAZE_AUTOTUNE=0: the GPU's config lists.
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOEBLAZE_AUTOTUNE")}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "scripts")]),
+               **env_extra)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_workers_compile_what_this_process_then_finds_cached(tmp_path):
+    got = _run_offline(_IN_WORKERS, tmp_path)
+    # Every config of the four launches compiled in the workers; here, each one a disk-cache hit.
+    assert got["submitted"] >= 6 and got["again"] == 0, got
+    assert got["here"]["kernels"] == 0 and got["here"]["cache_hits"] == got["submitted"], got
+    assert got["stats"]["compiled"] == got["submitted"] and got["stats"]["failed"] == 1, got
+    assert got["ahead_compiled"] == 0 and got["enabled"], got
+
+
+_NO_WORKER = """
+import json, sys
+from benchlib.compile_report import layer_launches, offline_target
+from moeblaze_megatron.kernels import compile_workers, launch
+from moeblaze_megatron.kernels.knobs import KNOBS
+
+KNOBS.compile_workers = 2
+sys.executable = "/nonexistent/python"  # the workers cannot start
+with offline_target():
+    call = layer_launches(64, 32, 32, 4, 2)["fc2"]
+    submitted = launch.prefetch([call])
+    compile_workers.wait_for(call.kernel)  # returns: the queued requests failed with the pool
+    out = dict(submitted=submitted, enabled=compile_workers.enabled(), broken=compile_workers._pool().broken,
+               after=launch.prefetch([call]))
+print(json.dumps(out))
+"""
+
+
+def test_workers_that_cannot_start_leave_the_compiles_to_this_process(tmp_path):
+    got = _run_offline(_NO_WORKER, tmp_path)
+    assert got["submitted"] >= 1 and not got["enabled"] and "nonexistent" in got["broken"], got
+    assert got["after"] == 0, got
