@@ -189,7 +189,7 @@ _prefetched: set = set()
 
 
 def _prefetch_plan_kernels(build, topk_ids, num_experts) -> None:
-    """At the first plan of its kind, with a compile worker up, hand the build's few kernels to
+    """At the first plan of its kind, with the compile workers started, hand the build's few kernels to
     the workers at once (they then compile side by side, not one after another as each launch
     comes). The kind: the build, ids' dtype, K, E, the token count's power-of-two bucket and
     16-divisibility (what the kernels specialize on)."""
@@ -200,7 +200,7 @@ def _prefetch_plan_kernels(build, topk_ids, num_experts) -> None:
     num_tokens = topk_ids.shape[0]
     key = (build, topk_ids.device, topk_ids.dtype, topk_ids.shape[1], num_experts, launch.next_pow2(num_tokens),
            num_tokens % 16)
-    if key in _prefetched or not compile_workers.ready():
+    if key in _prefetched or not compile_workers.running():
         return
     _prefetched.add(key)
     ids = launch.stand_in(topk_ids)

@@ -114,10 +114,11 @@ def wait_for(kernel) -> None:
         wait_futures(futures, timeout=WAIT_LIMIT_S)
 
 
-def ready() -> bool:
-    """Whether a worker is up (past its imports, seconds after ``start``): a handful of small
-    kernels needed at once compile faster here than behind a worker's start-up."""
-    return enabled() and _pool().ready > 0
+def running() -> bool:
+    """Whether workers were started (up, or past ``start`` and importing: about a second): where
+    none was, a handful of small kernels needed at once compile sooner here than behind a cold
+    start."""
+    return enabled() and _pool().live > 0
 
 
 def start() -> None:
@@ -140,7 +141,6 @@ class _Pool:
         self.size = size
         self.queue: queue.Queue = queue.Queue()
         self.live = 0
-        self.ready = 0  # workers past their imports
         self.broken: str | None = None
         self.lock = threading.Lock()
 
@@ -157,8 +157,6 @@ class _Pool:
                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
             if not process.stdout.readline():  # its "ready" line: imports done
                 raise RuntimeError(f"a compile worker exited at start with code {process.wait()}")
-            with self.lock:
-                self.ready += 1
             while True:
                 try:
                     request, future = self.queue.get(timeout=IDLE_EXIT_S)
@@ -185,7 +183,6 @@ class _Pool:
         finally:
             with self.lock:
                 self.live -= 1
-                self.ready = min(self.ready, self.live)
             if process is not None:
                 with contextlib.suppress(Exception):
                     process.stdin.close()
