@@ -141,8 +141,8 @@ def resolved_backend(x: torch.Tensor, backend: str) -> str:
 
 def start_compile_workers(backend: str = "auto") -> None:
     """Start the kernels' compile workers now (a model's MoE layers call it as they are built), so
-    that their start-up, seconds while each imports torch and Triton, overlaps the rest of a job's
-    setup instead of its first step. Nothing where no kernel will compile: no GPU, the reference
+    that their start-up (0.5-2 s: each imports Triton and the kernel modules) overlaps the rest of
+    a job's setup instead of its first step. Nothing where no kernel will compile: no GPU, the reference
     backend, the interpreter, MOEBLAZE_COMPILE_WORKERS=0."""
     if backend == "reference" or KNOBS.interpret or not torch.cuda.is_available():
         return
