@@ -20,6 +20,9 @@ gradient comes back as a pair too, so nothing of the weights' size is stacked or
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import torch
 
 from .kernels import launch
@@ -129,7 +132,16 @@ def prefetch_layer_kernels(x, topk_probs, fc1_weight, fc2_weight, plan, activati
     if key in _prefetched:
         return 0
     _prefetched.add(key)
-    return launch.prefetch(layer_launches(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute, needs))
+    submitted = launch.prefetch(layer_launches(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute,
+                                               needs))
+    if submitted and any(needs) and BACKWARD_IMPORT not in sys.modules:
+        launch.compile_workers.run_while_waiting(lambda: importlib.import_module(BACKWARD_IMPORT))
+    return submitted
+
+
+# What torch's first backward imports (``autograd._make_grads``; sympy with it: ~2 s on the H200
+# machine, once per process): imported while this process waits on the compile workers instead.
+BACKWARD_IMPORT = "torch.fx.experimental.symbolic_shapes"
 
 
 def layer_launches(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute, needs) -> list:

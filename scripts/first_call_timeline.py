@@ -6,7 +6,9 @@ call (benchmarks/NOTES.md, twenty-first session):
     TRITON_CACHE_DIR=$(mktemp -d) python3 scripts/first_call_timeline.py dsv3 [SETUP_SECONDS]
 
 SETUP_SECONDS: a pause between building the layer (which starts the compile workers, as the
-Megatron and torchtitan layers do) and its first call, standing for a job's setup.
+Megatron and torchtitan layers do) and its first call, standing for a job's setup. KEYS=1 logs
+the parts of Triton's cache key of every compile, here and in the workers, and names the part
+that differs for each kernel compiled here that a worker compiled under another key.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import os
 import pstats
 import sys
@@ -64,6 +67,61 @@ def instrument(events, clock):
     triton.knobs.compilation.listener = listener
 
 
+# Run first in this process and in each worker (KEYS=1): every compile appends its cache key's parts
+# (Triton's get_cache_key: source, backend, options, environment) to the file MOEBLAZE_KEYS_LOG names.
+_KEY_SPY = """
+import json, os
+import triton.compiler.compiler as _cc
+
+def _spy(src, backend, options, env_vars, _key=_cc.get_cache_key):
+    fn = getattr(src, "fn", None)
+    entry = dict(name=getattr(src, "name", "?"), pid=os.getpid(), src=src.hash(), backend=backend.hash(),
+                 options_hash=options.hash(), env=str(sorted(env_vars.items())),
+                 options={k: str(v) for k, v in options.__dict__.items()},
+                 fn=getattr(fn, "cache_key", None), signature=str(getattr(src, "signature", None)),
+                 attrs=str(getattr(src, "attrs", None)), constants=str(getattr(src, "constants", None)))
+    with open(os.environ["MOEBLAZE_KEYS_LOG"], "a") as f:
+        f.write(json.dumps(entry) + "\\n")
+    return _key(src, backend, options, env_vars)
+
+_cc.get_cache_key = _spy
+"""
+
+
+def spy_on_keys(path):
+    """KEYS=1: log every compile's key parts, here and in the workers (which start after this)."""
+    os.environ["MOEBLAZE_KEYS_LOG"] = path
+    open(path, "w").close()
+    exec(_KEY_SPY, {})
+    compile_workers._BOOTSTRAP = _KEY_SPY + compile_workers._BOOTSTRAP
+
+
+def key_differences(path) -> list[str]:
+    """For each kernel compiled here under a key no worker used, what differs from the workers'
+    compiles of a kernel of that name."""
+    entries = [json.loads(line) for line in open(path)]
+    here = [e for e in entries if e["pid"] == os.getpid()]
+    workers = [e for e in entries if e["pid"] != os.getpid()]
+    parts = ("src", "backend", "options_hash", "env")
+    worker_keys = {tuple(e[p] for p in parts) for e in workers}
+    lines = []
+    for e in here:
+        if tuple(e[p] for p in parts) in worker_keys:
+            continue
+        same_name = [w for w in workers if w["name"] == e["name"]]
+        if not same_name:
+            lines.append(f"{e['name']}: no worker compiled it")
+            continue
+        best = min(same_name, key=lambda w: sum(w[p] != e[p] for p in parts))
+        diff = [p for p in parts + ("fn", "signature", "attrs", "constants") if best[p] != e[p]]
+        fields = [f"{k}: here {e['options'].get(k)} / worker {best['options'].get(k)}"
+                  for k in sorted(set(e["options"]) | set(best["options"]))
+                  if e["options"].get(k) != best["options"].get(k)]
+        detail = {p: (e[p], best[p]) for p in diff if p in ("env", "signature", "attrs", "constants", "backend")}
+        lines.append(f"{e['name']}: differs in {diff}; options {fields}; {detail}")
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("shape", help=f"a layer shape: {', '.join(CONFIGS)} (or an alias: qwen3, 7b, dsv3, ...)")
@@ -74,6 +132,10 @@ def main(argv=None):
     def clock():
         return time.perf_counter() - t0[0]
 
+    keys_log = None
+    if os.environ.get("KEYS") == "1":
+        keys_log = os.path.join(os.environ.get("TRITON_CACHE_DIR") or ".", "keys.jsonl")
+        spy_on_keys(keys_log)
     instrument(events, clock)  # from here on: what this process compiles, too
     T, d, h, E, K = CONFIGS[config_name(args.shape)]
     x, ids, probs, fc1, fc2 = make_inputs(T, d, h, E, K, "swiglu", torch.bfloat16, torch.device("cuda"), 0)
@@ -93,6 +155,10 @@ def main(argv=None):
           f"{compile_workers.stats()}")
     for at, text in sorted(events):
         print(f"  {at:6.2f}  {text}")
+    if keys_log:
+        print("cache keys compiled here that no worker used:")
+        for line in key_differences(keys_log) or ["  none"]:
+            print(f"  {line}")
     if profile:
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(35)

@@ -43,6 +43,7 @@ _lock = threading.Lock()
 _requests: dict[tuple, Future] = {}  # (module, name, specialization) -> its compile
 _by_kernel: dict[tuple, list[Future]] = {}  # (module, qualname) -> compiles not waited for yet
 _stats = {"submitted": 0, "compiled": 0, "failed": 0, "seconds": 0.0}
+_idle_tasks: list = []  # run by the next wait on unfinished compiles (``run_while_waiting``)
 
 
 def enabled() -> bool:
@@ -111,7 +112,27 @@ def wait_for(kernel) -> None:
     with _lock:
         futures = _by_kernel.pop((kernel.fn.__module__, kernel.fn.__qualname__), None)
     if futures:
+        if not all(future.done() for future in futures):
+            _run_idle_tasks()
         wait_futures(futures, timeout=WAIT_LIMIT_S)
+
+
+def run_while_waiting(task) -> None:
+    """Have the next wait on compiles that are not done run ``task()`` first (once), so that work
+    this process would do anyway soon fills time it would otherwise idle. Nothing with the workers
+    off (no wait comes). A task that raises is dropped."""
+    if enabled():
+        with _lock:
+            _idle_tasks.append(task)
+
+
+def _run_idle_tasks() -> None:
+    with _lock:
+        tasks = _idle_tasks[:]
+        _idle_tasks.clear()
+    for task in tasks:
+        with contextlib.suppress(Exception):
+            task()
 
 
 def running() -> bool:

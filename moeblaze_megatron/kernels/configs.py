@@ -27,9 +27,9 @@ ACTIVATION_IDS = {"swiglu": ACT_SWIGLU, "silu": ACT_SILU, "gelu": ACT_GELU}
 ACT_BWD_BLOCK_N = 256
 
 # Ragged TMA descriptors for A and C of a plain GEMM in expert order are faster on the GPU but cost
-# the host tens of microseconds a launch: below this many FLOPs (~0.4 ms of GPU) a GEMM keeps its
-# pointers.
-TMA_ROWS_MIN_FLOPS = 2**38
+# the host tens of microseconds a launch: below this many FLOPs (~0.2 ms of GPU, where the host-bound
+# small shapes begin) a GEMM keeps its pointers. 2**37 takes in the 7B-like fc2 (benchmarks/NOTES.md).
+TMA_ROWS_MIN_FLOPS = 2**37
 
 
 def set_row_gemm_boxes(nargs):

@@ -180,7 +180,11 @@ def launch(kernel, grid, args, constexprs):
         return
     # The pruning reads the constexprs only (both kernels' rules), so the key decides it too.
     kernel, constexprs = _one_config(kernel, args, constexprs)
-    compile_workers.start()  # ready for the first autotuned launch or layer prefetch
+    if not _entries:
+        # The process's first compiled launch: workers ready for the autotuned launches and layer
+        # prefetches to come. Not at every miss: under expert parallelism every step brings new
+        # token counts, whose kernels Triton's disk cache holds already (submit starts them for work).
+        compile_workers.start()
     compile_workers.wait_for(kernel.autotuner if isinstance(kernel, _OneConfig) else kernel)
     compiled = _through_triton(kernel, constexprs, grid, args)
     if len(_entries) >= MAX_ENTRIES:

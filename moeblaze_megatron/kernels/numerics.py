@@ -47,3 +47,10 @@ def to_storage(x, dtype: tl.constexpr, MEND_BF16: tl.constexpr):
         return bits.to(tl.float32, bitcast=True).to(dtype)
     else:
         return x.to(dtype)
+
+
+# Triton 3.6 folds a helper's constexpr globals (INTERPRETED) into a calling kernel's cache key only
+# where the helper's own key was computed first (3.8 always does): computed here, at import, so that
+# every process, the compile workers too, files a kernel under one key whatever it compiled first.
+for _helper in (dot, to_storage):
+    getattr(_helper, "cache_key", None)

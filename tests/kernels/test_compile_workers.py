@@ -161,8 +161,9 @@ print(json.dumps(out))
 def _run_offline(code, tmp_path, **env_extra):
     # Neither the interpreter nor tests/gpu's MOEBLAZE_AUTOTUNE=0: the GPU's config lists.
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOEBLAZE_AUTOTUNE")}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "scripts")]),
-               **env_extra)
+    # A PYTHONPATH given stays behind the repository's (another Triton's install, for instance).
+    path = [str(ROOT), str(ROOT / "scripts")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(path), **env_extra)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
@@ -199,3 +200,75 @@ def test_workers_that_cannot_start_leave_the_compiles_to_this_process(tmp_path):
     got = _run_offline(_NO_WORKER, tmp_path)
     assert got["submitted"] >= 1 and not got["enabled"] and "nonexistent" in got["broken"], got
     assert got["after"] == 0, got
+
+
+def test_a_wait_on_unfinished_compiles_runs_the_idle_tasks_once(monkeypatch):
+    import threading
+    from concurrent.futures import Future
+
+    from triton.runtime.jit import JITFunction
+
+    def kernel_source(x):
+        return x
+
+    kernel = JITFunction(kernel_source)
+    key = (kernel_source.__module__, kernel_source.__qualname__)
+    monkeypatch.setattr(compile_workers, "enabled", lambda: True)
+    monkeypatch.setattr(compile_workers, "_idle_tasks", [])
+    ran = []
+
+    def wait_once(done):
+        future = Future()
+        if done:
+            future.set_result(0.0)
+        else:
+            threading.Timer(0.2, future.set_result, (0.0,)).start()
+        monkeypatch.setitem(compile_workers._by_kernel, key, [future])
+        compile_workers.wait_for(kernel)
+        assert future.done()
+
+    compile_workers.run_while_waiting(lambda: ran.append("first"))
+    wait_once(done=True)  # nothing to wait for: the task waits for a real wait
+    assert ran == []
+    compile_workers.run_while_waiting(lambda: 1 / 0)  # one that raises is dropped
+    wait_once(done=False)
+    assert ran == ["first"]
+    wait_once(done=False)  # once
+    assert ran == ["first"]
+    monkeypatch.setattr(compile_workers, "enabled", lambda: False)
+    compile_workers.run_while_waiting(lambda: ran.append("off"))
+    assert compile_workers._idle_tasks == []
+
+
+def test_torch_first_backward_imports_what_the_layer_imports_while_waiting():
+    # fused.BACKWARD_IMPORT is worth importing early only while torch's backward imports it.
+    import inspect
+
+    from moeblaze_megatron import fused
+
+    assert f"from {fused.BACKWARD_IMPORT} import" in inspect.getsource(torch.autograd._make_grads)
+
+
+_KEYS_IN_ORDER = """
+import json, sys
+from triton.runtime.jit import JITFunction
+from moeblaze_megatron.kernels import combine, plan_sort, plan_three_step, row_gemm, weight_grad
+
+kernels = {}
+for module in (combine, plan_sort, plan_three_step, row_gemm, weight_grad):
+    for name, obj in vars(module).items():
+        while hasattr(obj, "fn") and not isinstance(obj, JITFunction):  # an autotuner over it
+            obj = obj.fn
+        if isinstance(obj, JITFunction) and obj.__module__ == module.__name__:
+            kernels[f"{module.__name__}.{name}"] = obj
+order = sorted(kernels, reverse=sys.argv[1] == "reversed")
+print(json.dumps({name: kernels[name].cache_key for name in order}))
+"""
+
+
+def test_kernel_cache_keys_do_not_depend_on_what_compiled_first(tmp_path):
+    # A worker's first compile may be any kernel; its cache key must be the one this process files
+    # (Triton 3.6 left a helper's globals out where the helper's key came second: numerics).
+    forward = _run_offline(_KEYS_IN_ORDER.replace("sys.argv[1]", "'forward'"), tmp_path)
+    backward = _run_offline(_KEYS_IN_ORDER.replace("sys.argv[1]", "'reversed'"), tmp_path)
+    assert len(forward) >= 8 and forward == backward

@@ -121,3 +121,21 @@ def test_compile_workers_knob():
     # The knob it replaced is refused, not ignored.
     with pytest.raises(ValueError, match="MOEBLAZE_COMPILE_THREADS is gone.*MOEBLAZE_COMPILE_WORKERS"):
         read_knobs({"MOEBLAZE_COMPILE_THREADS": "8"})
+
+
+def test_workers_start_at_the_first_compiled_launch_only(monkeypatch):
+    # Under expert parallelism each step's token counts are new signatures, compiled already on
+    # disk: a miss after the first must not start workers that idled out.
+    started, compiled = [], []
+    monkeypatch.setattr(launch_mod.KNOBS, "interpret", False)
+    monkeypatch.setattr(launch_mod.KNOBS, "direct_launch", True)
+    monkeypatch.setattr(launch_mod, "_entries", {})
+    monkeypatch.setattr(launch_mod.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch_mod.compile_workers, "start", lambda: started.append(1))
+    monkeypatch.setattr(launch_mod.compile_workers, "wait_for", lambda kernel: None)
+    monkeypatch.setattr(launch_mod, "_through_triton", lambda kernel, constexprs, grid, args: compiled.append(args))
+    monkeypatch.setattr(launch_mod, "_Entry", lambda *a: (lambda grid, args, device: None))
+    for n in (16, 24, 16, 40):
+        launch_mod.launch(_fill, (1,), (torch.empty(8), n, 0), dict(BLOCK=8))
+    assert [args[1] for args in compiled] == [16, 24, 40]  # each new signature through Triton, once
+    assert started == [1]
