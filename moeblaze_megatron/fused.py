@@ -117,6 +117,11 @@ def fused_backward(grad_y, x, probs_sorted, fc1_weight, fc2_weight, plan, activa
 _prefetched: set = set()
 
 
+# What torch's first backward imports (``autograd._make_grads``; sympy with it: seconds, once per
+# process): imported while this process waits on the compile workers instead.
+BACKWARD_IMPORT = "torch.fx.experimental.symbolic_shapes"
+
+
 def prefetch_layer_kernels(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute, needs) -> int:
     """At a layer's first call of its kind, hand every kernel its forward and backward will launch
     (``layer_launches``) to the compile workers at once, instead of one launch's configs after
@@ -137,11 +142,6 @@ def prefetch_layer_kernels(x, topk_probs, fc1_weight, fc2_weight, plan, activati
     if submitted and any(needs) and BACKWARD_IMPORT not in sys.modules:
         launch.compile_workers.run_while_waiting(lambda: importlib.import_module(BACKWARD_IMPORT))
     return submitted
-
-
-# What torch's first backward imports (``autograd._make_grads``; sympy with it: ~2 s on the H200
-# machine, once per process): imported while this process waits on the compile workers instead.
-BACKWARD_IMPORT = "torch.fx.experimental.symbolic_shapes"
 
 
 def layer_launches(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute, needs) -> list:

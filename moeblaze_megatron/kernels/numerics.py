@@ -54,3 +54,4 @@ def to_storage(x, dtype: tl.constexpr, MEND_BF16: tl.constexpr):
 # every process, the compile workers too, files a kernel under one key whatever it compiled first.
 for _helper in (dot, to_storage):
     getattr(_helper, "cache_key", None)
+del _helper
