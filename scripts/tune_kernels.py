@@ -11,8 +11,9 @@ fc2_grouped_mm / dx_grouped_mm (the two GEMMs whose rows are already in expert o
 torch._grouped_mm), dw1_pointer / dw2_pointer
 (the expert-order operand through pointer loads instead of the TMA descriptor the layer uses) and
 fc1_act_pointer / dh_act_bwd_pointer / dx_pointer (the weight through pointer loads instead of the
-layer's TMA descriptor) and fc2_rows_pointer / dx_rows_pointer (A and the output, in expert order,
-through pointers instead of ragged TMA descriptors).
+layer's TMA descriptor), fc2_rows_pointer / dx_rows_pointer (A and the output, in expert order,
+through pointers instead of ragged TMA descriptors) and fc1_plain / dh_plain (fc1 and dH with a
+plain store instead of their fused epilogues: what the epilogues cost).
 
     python scripts/tune_kernels.py --shapes conf4,qwen3,7b --out /tmp/tune
     python scripts/tune_kernels.py --shapes conf6 --activation silu --ops fc1_act,dh_act_bwd
@@ -35,7 +36,7 @@ def main(argv=None):
     ap.add_argument("--ops", default="fc1_act,fc2,dh_act_bwd,dw2,dw1,dx",
                     help="comma list; also the diagnostic dw1_contiguous, dw1_grouped_mm, dw1_pointer, dw2_pointer, "
                     "fc2_grouped_mm, dx_grouped_mm, fc1_act_pointer, dh_act_bwd_pointer, dx_pointer, fc2_rows_pointer, "
-                    "dx_rows_pointer")
+                    "dx_rows_pointer, fc1_plain, dh_plain")
     ap.add_argument("--activation", default="swiglu", choices=sorted(ACTIVATION_IDS))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--configs", default="", help="comma list of label parts (e.g. '128x256,/s5'): time only "

@@ -182,11 +182,12 @@ def prune_weight_grad(configs, named_args, **kwargs):
 
 
 def config_label(config) -> str:
-    """``BLOCK_MxBLOCK_NxBLOCK_K/gGROUP_M/wWARPS/sSTAGES[/p]`` of a tile config (``g-``: no grouping,
-    ``/p``: persistent)."""
+    """``BLOCK_MxBLOCK_NxBLOCK_K/gGROUP_M/wWARPS/sSTAGES[/p][/rREGS]`` of a tile config (``g-``: no
+    grouping, ``/p``: persistent, ``/rREGS``: registers per thread capped)."""
     kw = config.kwargs
+    regs = f"/r{config.maxnreg}" if getattr(config, "maxnreg", None) else ""
     return (f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}/g{kw.get('GROUP_M', '-')}"
-            f"/w{config.num_warps}/s{config.num_stages}{'/p' if kw.get('PERSISTENT') else ''}")
+            f"/w{config.num_warps}/s{config.num_stages}{'/p' if kw.get('PERSISTENT') else ''}{regs}")
 
 
 @functools.cache

@@ -9,6 +9,11 @@ whole set at its first call, an autotuned launch's configs before they are timed
 compile_workers.py). Default: this rank's share of the CPUs (the CPU count over torchrun's
 LOCAL_WORLD_SIZE), at most 8; 0 compiles everything in the process, one kernel after another, as
 Triton does. (It replaced ``MOEBLAZE_COMPILE_THREADS``, which is refused with a pointer here.)
+``MOEBLAZE_WARP_SPECIALIZE=1``: on Hopper the fused-epilogue GEMMs (fc1 with the activation, dH
+with its backward) run in ``row_gemm_ws.py``'s Gluon kernel, whose epilogue runs in warps of its
+own beside the next tile's main loop, instead of the Triton kernel, whose epilogue runs in the
+warps that multiplied the tile (the same results but the router-gradient partials' last bits).
+Off by default: on the H200 it ties the Triton kernel, not yet ahead (benchmarks/NOTES.md).
 ``TRITON_INTERPRET=1``: Triton runs the kernels on CPU tensors in its interpreter (how CI tests
 them); Triton itself reads it when a kernel is decorated, so it must be set before the import.
 
@@ -36,6 +41,7 @@ class Knobs:
     autotune: bool = True
     direct_launch: bool = True
     interpret: bool = False
+    warp_specialize: bool = False
     compile_workers: int = field(default_factory=default_compile_workers)
 
 
@@ -63,6 +69,7 @@ def read_knobs(environ: Mapping[str, str]) -> Knobs:
     return Knobs(
         autotune=_flag(environ, "MOEBLAZE_AUTOTUNE", "1"),
         direct_launch=_flag(environ, "MOEBLAZE_DIRECT_LAUNCH", "1"),
+        warp_specialize=_flag(environ, "MOEBLAZE_WARP_SPECIALIZE", "0"),
         compile_workers=_count(environ, "MOEBLAZE_COMPILE_WORKERS", default_compile_workers(environ)),
         # Triton's own reading: anything but "1" runs the compiled kernels.
         interpret=environ.get("TRITON_INTERPRET") == "1",

@@ -104,6 +104,10 @@ def _arg_key(arg):
     if isinstance(arg, TensorDescriptor):
         return (arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.shape), tuple(arg.strides),
                 tuple(arg.block_shape), arg.padding)
+    if hasattr(arg, "layout") and hasattr(arg, "block_shape"):
+        # A Gluon descriptor: its shared-memory layout is part of the compiled kernel too.
+        return (arg.base.dtype, arg.base.data_ptr() % 16 == 0, tuple(arg.shape), tuple(arg.strides),
+                tuple(arg.block_shape), arg.padding, repr(arg.layout))
     return type(arg), arg
 
 
@@ -272,6 +276,8 @@ def compile_requests(call: KernelCall) -> list:
     autotuned kernel would run or time, of the kernel itself otherwise; none for what this
     process has compiled already."""
     kernel, grid, args, constexprs = call
+    if _compiles_in_process(kernel):
+        return []
     kernel, constexprs = _one_config(kernel, args, constexprs)
     if isinstance(kernel, _OneConfig):
         variants = [(kernel.autotuner.fn, kernel.config, constexprs)]
@@ -293,6 +299,12 @@ def compile_requests(call: KernelCall) -> list:
                 config.pre_hook({**dict(zip(fn.arg_names, args)), **values})
             fn.warmup(*args, grid=grid, **values)
     return requests
+
+
+def _compiles_in_process(kernel) -> bool:
+    """Gluon kernels compile in the process (one kernel, never tuned): the workers rebuild Triton
+    JIT functions only."""
+    return type(kernel).__name__ == "GluonJITFunction"
 
 
 def _tuning_key(autotuner, named, constexprs) -> tuple:

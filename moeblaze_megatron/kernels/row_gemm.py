@@ -34,13 +34,15 @@ from .configs import (
     EPI_ACT_FWD,
     EPI_STORE,
     TMA_ROWS_MIN_FLOPS,
+    capability,
     prune_row_gemm,
     ragged_tma_takes,
     row_gemm_configs,
     sm_count,
     tma_takes,
 )
-from .launch import KernelCall, cdiv, launch_call, next_pow2
+from .knobs import KNOBS
+from .launch import KernelCall, cdiv, gpu_of, launch_call, next_pow2
 from .numerics import dot, dot_flags, to_storage
 
 __all__ = [
@@ -383,7 +385,7 @@ def row_gemm(a, weight, out, plan, **kwargs) -> None:
 
 def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, activation="swiglu",
                   gather_a=True, pre=None, store_pre=True, probs_sorted=None, ds_partial=None, n=None,
-                  tma_weight=None, tma_rows=None) -> KernelCall:
+                  tma_weight=None, tma_rows=None, warp_specialize=None) -> KernelCall:
     """The launch of ``row_gemm_kernel`` over ``n`` output columns; ``weight`` is [E, out, in]
     (``transpose_weight``: multiply by its transpose, as nn.Linear does) or [E, in, out], or a
     (gate, up) pair of halves of one shape and strides (``split_halves`` says which launches take
@@ -395,7 +397,16 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
     it cannot) or never (False: pointer loads). Either gives the same bits.
     ``tma_rows``: the same choice for A and the output of a plain GEMM over rows in expert order
     (``EPI_STORE``, not ``gather_a``: fc2, dX) through ragged TMA descriptors; None takes them
-    from ``TMA_ROWS_MIN_FLOPS`` on."""
+    from ``TMA_ROWS_MIN_FLOPS`` on.
+    ``warp_specialize``: run the fused epilogues (the activation forward and backward) in
+    ``row_gemm_ws_kernel`` (Gluon, Hopper: the epilogue in warps of its own) where it takes the
+    launch (None, the default, with ``KNOBS.warp_specialize``), always (True: an error where it
+    cannot) or never (False)."""
+    if epilogue in (EPI_ACT_FWD, EPI_ACT_BWD) and warp_specialize is not False:
+        call = _warp_specialized(a, weight, out, plan, epilogue, activation, gather_a, transpose_weight, pre,
+                                 store_pre, probs_sorted, ds_partial, n, required=warp_specialize is True)
+        if call is not None:
+            return call
     rows_total = plan.expert_token_indices.shape[0]
     num_experts = plan.num_experts
     k_dim = a.shape[1]
@@ -468,6 +479,30 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
         TMA_B=tma_weight, TRANS_B=tma_weight and transpose_weight, TMA_ROWS=tma_rows, SPLIT_B=split,
     )
     return KernelCall(row_gemm_kernel, grid, args, constexprs)
+
+
+def _warp_specialized(a, weight, out, plan, epilogue, activation, gather_a, transpose_weight, pre, store_pre,
+                      probs_sorted, ds_partial, n, *, required):
+    """``row_gemm_ws_kernel``'s call for a fused-epilogue launch it takes (with the knob on, unless
+    ``required``), else None; ``required``: a ValueError where it cannot take it."""
+    device = gpu_of(a)
+    if device is None or KNOBS.interpret or not (required or KNOBS.warp_specialize):
+        if required:
+            raise ValueError("row_gemm(warp_specialize=True): the warp-specialized fused epilogues run on a GPU, "
+                             f"not under the interpreter (A on {a.device})")
+        return None
+    # Gluon is imported only where a GPU would run its kernel.
+    from .row_gemm_ws import WS_REQUIREMENTS, ws_call, ws_takes
+
+    cap = capability(device.index)
+    if not (gather_a and ws_takes(a, weight, out, pre, epilogue, transpose_weight, cap)):
+        if required:
+            raise ValueError(f"row_gemm(warp_specialize=True): {WS_REQUIREMENTS} (compute capability {cap}, "
+                             f"gather_a={gather_a}, {a.dtype} A of shape {tuple(a.shape)})")
+        return None
+    return ws_call(a, weight, out, plan, epilogue=epilogue, act=ACTIVATION_IDS[activation], glu=activation == "swiglu",
+                   pre=pre, store_pre=store_pre, probs_sorted=probs_sorted, ds_partial=ds_partial, n=n,
+                   sm_count=sm_count(device))
 
 
 def split_halves(halves, epilogue, activation, transpose_weight):

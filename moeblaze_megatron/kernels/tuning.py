@@ -31,7 +31,10 @@ def run_with_config(call: KernelCall, config=None) -> None:
 
 
 def row_gemm_with(config, *args, **kwargs) -> None:
-    """``row_gemm(*args, **kwargs)`` with one fixed config."""
+    """``row_gemm(*args, **kwargs)`` with one fixed config of the Triton kernel (``config=None``: as
+    the hot path launches it, the warp-specialized kernel included)."""
+    if config is not None:
+        kwargs = {"warp_specialize": False, **kwargs}
     run_with_config(row_gemm_call(*args, **kwargs), config)
 
 

@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels import configs as cf
 from moeblaze_megatron.kernels import row_gemm as rg
+from moeblaze_megatron.kernels import row_gemm_ws as ws
 from moeblaze_megatron.kernels import weight_grad as wg
 from moeblaze_megatron.kernels.knobs import KNOBS
 
@@ -88,11 +89,19 @@ def layer_launches(T, d, h, E, K, dtype=torch.bfloat16, seed=0):
     ds = torch.empty(rows, rg.row_gemm_ds_tiles(h))
     fwd = dict(transpose_weight=True, epilogue=rg.EPI_ACT_FWD, activation="swiglu", pre=pre, n=h)
     return {
-        "fc1_act": rg.row_gemm_call(x, fc1, hid, plan, **fwd),
-        "fc1_act_halves": rg.row_gemm_call(x, (w1, w3), hid, plan, **fwd),
+        "fc1_act": rg.row_gemm_call(x, fc1, hid, plan, warp_specialize=False, **fwd),
+        "fc1_act_halves": rg.row_gemm_call(x, (w1, w3), hid, plan, warp_specialize=False, **fwd),
         "fc2": rg.row_gemm_call(hid, fc2, rows_d, plan, transpose_weight=True, gather_a=False, n=d),
         "dh_act_bwd": rg.row_gemm_call(x, fc2, hid, plan, transpose_weight=False, epilogue=rg.EPI_ACT_BWD,
-                                       activation="swiglu", pre=pre, probs_sorted=probs, ds_partial=ds, n=h),
+                                       activation="swiglu", pre=pre, probs_sorted=probs, ds_partial=ds, n=h,
+                                       warp_specialize=False),
+        # The fused epilogues in the warp-specialized Gluon kernel (what a Hopper GPU runs).
+        "fc1_act_ws": ws.ws_call(x, fc1, hid, plan, epilogue=rg.EPI_ACT_FWD, act=rg.ACT_SWIGLU, glu=True, pre=pre, n=h,
+                                 sm_count=132),
+        "fc1_act_halves_ws": ws.ws_call(x, (w1, w3), hid, plan, epilogue=rg.EPI_ACT_FWD, act=rg.ACT_SWIGLU, glu=True,
+                                        pre=pre, n=h, sm_count=132),
+        "dh_act_bwd_ws": ws.ws_call(x, fc2, hid, plan, epilogue=rg.EPI_ACT_BWD, act=rg.ACT_SWIGLU, glu=True, pre=pre,
+                                    probs_sorted=probs, ds_partial=ds, n=h, sm_count=132),
         "fc1_recompute": rg.row_gemm_call(x, fc1, pre, plan, transpose_weight=True, n=2 * h),
         "dx": rg.row_gemm_call(grad_pre, fc1, rows_d, plan, transpose_weight=False, gather_a=False, n=d),
         "dx_halves": rg.row_gemm_call(grad_pre, (w1, w3), rows_d, plan, transpose_weight=False, gather_a=False, n=d),
@@ -102,8 +111,11 @@ def layer_launches(T, d, h, E, K, dtype=torch.bfloat16, seed=0):
 
 
 def _kept_configs(call):
-    """The configs the GPU's autotuner would time for this launch (its pruning, or all of them)."""
+    """The configs the GPU's autotuner would time for this launch (its pruning, or all of them);
+    [None] for a kernel that is not autotuned (its constexprs are the whole config)."""
     kernel = call.kernel
+    if not hasattr(kernel, "configs"):
+        return [None]
     prune = kernel.early_config_prune
     names = dict(zip(kernel.arg_names, call.args))
     return prune(kernel.configs, names, **call.constexprs) if prune else list(kernel.configs)
@@ -120,8 +132,9 @@ def _ptxas_info(ptx: str, arch: str) -> dict:
     finally:
         os.unlink(f.name)
     number = lambda pattern: max((int(v) for v in re.findall(pattern, info)), default=0)  # noqa: E731
+    # C7518: ptxas serialized the wgmma chain (a branch it cannot prove uniform inside the main loop).
     return {"registers": number(r"Used (\d+) registers"), "spill_store_bytes": number(r"(\d+) bytes spill stores"),
-            "spill_load_bytes": number(r"(\d+) bytes spill loads")}
+            "spill_load_bytes": number(r"(\d+) bytes spill loads"), "wgmma_serialized": "C7518" in info}
 
 
 def _histogram(ptx: str) -> dict:
@@ -132,17 +145,24 @@ def _histogram(ptx: str) -> dict:
 
 
 def compile_variant(call, config, arch="sm_90a") -> dict:
-    """Compile one launch with one config (the config's pre-hook sizes its TMA boxes first)."""
+    """Compile one launch with one config (the config's pre-hook sizes its TMA boxes first), or,
+    for a kernel that is not autotuned (``config`` None), as it is."""
     kernel = call.kernel
-    kwargs = {**call.constexprs, **config.all_kwargs()}
-    if config.pre_hook is not None:
-        config.pre_hook({**dict(zip(kernel.arg_names, call.args)), **kwargs})
-    with compile_times() as compiled_now:
-        compiled = kernel.fn.warmup(*call.args, grid=(1,), **kwargs)
+    if config is None:
+        with compile_times() as compiled_now:
+            compiled = kernel.warmup(*call.args, grid=(1,), **call.constexprs)
+        config_name = "fixed"
+    else:
+        kwargs = {**call.constexprs, **config.all_kwargs()}
+        if config.pre_hook is not None:
+            config.pre_hook({**dict(zip(kernel.arg_names, call.args)), **kwargs})
+        with compile_times() as compiled_now:
+            compiled = kernel.fn.warmup(*call.args, grid=(1,), **kwargs)
+        config_name = cf.config_label(config)
     ptx = compiled.asm["ptx"]
     # None where Triton's caches (this process's or the disk's) had the kernel: nothing compiled.
     seconds = compiled_now["seconds"] if compiled_now["kernels"] else None
-    return {"config": cf.config_label(config), "compile_seconds": seconds, "wgmma": "wgmma" in ptx,
+    return {"config": config_name, "compile_seconds": seconds, "wgmma": "wgmma" in ptx,
             "tma": "cp.async.bulk.tensor" in ptx, **_ptxas_info(ptx, arch), "histogram": _histogram(ptx)}
 
 

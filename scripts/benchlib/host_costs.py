@@ -107,14 +107,18 @@ def site_costs(cfg, activation="swiglu"):
     pre = x.new_empty(rows, fc1.shape[1])
     hbuf = x.new_empty(rows, h)
     fc1_args = (x, impl.fc1, hbuf, plan)
+    # The Triton kernel's launch, layer by layer below; the warp-specialized kernel's beside it.
     fc1_kwargs = dict(transpose_weight=True, epilogue=EPI_ACT_FWD, activation=activation, gather_a=True, pre=pre,
-                      store_pre=True, n=h)
+                      store_pre=True, n=h, warp_specialize=False)
 
     def fc1_launch(**kw):
-        row_gemm(*fc1_args, **fc1_kwargs, **kw)
+        row_gemm(*fc1_args, **{**fc1_kwargs, **kw})
 
     fc1_launch()
     out["fc1 row_gemm"] = host_us(fc1_launch)
+    if torch.cuda.get_device_capability()[0] == 9:
+        fc1_launch(warp_specialize=True)
+        out["fc1 row_gemm, warp-specialized"] = host_us(lambda: fc1_launch(warp_specialize=True))
     KNOBS.direct_launch = False
     try:
         out["fc1 row_gemm, Triton launch"] = host_us(fc1_launch)

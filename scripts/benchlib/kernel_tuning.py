@@ -14,9 +14,11 @@ import torch
 import triton
 
 from moeblaze_megatron import build_routing_plan
-from moeblaze_megatron.kernels.configs import config_label
+from moeblaze_megatron.kernels.configs import config_label, sm_count
 from moeblaze_megatron.kernels.knobs import KNOBS
-from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD, row_gemm, row_gemm_kernel
+from moeblaze_megatron.kernels.launch import launch_call
+from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD, EPI_STORE, row_gemm, row_gemm_kernel
+from moeblaze_megatron.kernels.row_gemm_ws import ws_call
 from moeblaze_megatron.kernels.tuning import row_gemm_with, weight_grad_with
 from moeblaze_megatron.kernels.weight_grad import weight_grad, weight_grad_kernel
 
@@ -34,6 +36,12 @@ ROW_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, o
     (128, 128, 64, 8, 8, 4, {"PERSISTENT": True}), (128, 128, 64, 8, 8, 3, {"PERSISTENT": True}),
     (128, 256, 32, 8, 8, 4, {"PERSISTENT": True}), (128, 128, 32, 8, 8, 4, {"PERSISTENT": True}),
     (128, 128, 64, 8, 4, 3),
+    # One warpgroup on a 64 x 256 tile (m64n256 instructions): two programs fit a multiprocessor
+    # at these stage counts, so one's epilogue can overlap the other's main loop.
+    (64, 256, 64, 8, 4, 2), (64, 256, 32, 8, 4, 4), (64, 256, 64, 8, 4, 3),
+    # Two 8-warp programs per multiprocessor: shared memory for two, registers capped at 128.
+    (128, 128, 64, 8, 8, 2, {"maxnreg": 128}), (128, 128, 64, 8, 8, 3, {"maxnreg": 128}),
+    (128, 128, 32, 8, 8, 4, {"maxnreg": 128}), (64, 128, 64, 8, 4, 3, {"maxnreg": 128}),
 ]
 WGRAD_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
     (128, 128, 64, 8, 4), (128, 128, 64, 8, 5), (128, 128, 64, 8, 6),
@@ -44,9 +52,12 @@ WGRAD_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
 
 
 def row_config(bm, bn, bk, gm, w, s, extra=None):
-    """A row-GEMM ``triton.Config`` from a ROW_CONFIGS entry."""
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, **(extra or {})},
-                         num_warps=w, num_stages=s)
+    """A row-GEMM ``triton.Config`` from a ROW_CONFIGS entry (``maxnreg`` among the extras caps the
+    registers per thread)."""
+    extra = dict(extra or {})
+    maxnreg = extra.pop("maxnreg", None)
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, **extra},
+                         num_warps=w, num_stages=s, maxnreg=maxnreg)
 
 
 def wgrad_config(bm, bn, bk, w, s):
@@ -72,7 +83,7 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
     pre = x.new_empty(rows, width)
     hid = x.new_empty(rows, h)
     row_gemm(x, fc1, hid, plan, transpose_weight=True, epilogue=EPI_ACT_FWD, activation=activation,
-             gather_a=True, pre=pre, n=h)
+             gather_a=True, pre=pre, n=h, warp_specialize=False)
     pre_saved = pre.clone()
     expert_out = x.new_empty(rows, d)
     probs_sorted = plan.permute_probs(probs)
@@ -81,7 +92,8 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
     ds = torch.zeros(rows, triton.cdiv(h, min(c[1] for c in ROW_CONFIGS)), dtype=torch.float32, device=dev)
     dpre = pre.clone()
     row_gemm(dy, fc2, h_scaled, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
-             activation=activation, gather_a=True, pre=dpre, probs_sorted=probs_sorted, ds_partial=ds, n=h)
+             activation=activation, gather_a=True, pre=dpre, probs_sorted=probs_sorted, ds_partial=ds, n=h,
+             warp_specialize=False)
     fc1_ref, dh_ref = (hid.clone(), pre_saved), (h_scaled.clone(), dpre, ds.sum(1))
     x_rows = torch.randn(rows, d, device=dev, dtype=bf, generator=g)
     dw1 = torch.empty_like(fc1)
@@ -109,6 +121,9 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
         return launch, lambda: (rows_grouped[name],) if name in rows_grouped else ()
 
     dw2 = torch.empty_like(fc2)
+    pre_plain, dh_plain, h_scaled_ws = torch.empty_like(pre), torch.empty_like(h_scaled), torch.empty_like(h_scaled)
+    hid_ws, pre_ws, dh_ws_plain, dh_ref_plain = (torch.empty_like(t) for t in (hid, pre, h_scaled, h_scaled))
+    row_gemm(dy, fc2, dh_ref_plain, plan, transpose_weight=False, gather_a=True, n=h)
     grad_rows = x.new_empty(rows, d)
     nothing = lambda: None  # noqa: E731
 
@@ -131,20 +146,47 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
     references = {"dw1_grouped_mm": (dw1_kernel,), "dw2_grouped_mm": (dw2_kernel,), "dw1_pointer": (dw1_kernel,), "dw2_pointer": (dw2_kernel,),
                   "fc2_grouped_mm": (fc2_kernel,), "dx_grouped_mm": (dx_kernel,), "fc1_act_pointer": fc1_ref,
                   "dh_act_bwd_pointer": dh_ref, "dx_pointer": (dx_kernel,), "fc2_rows_pointer": (fc2_kernel,),
-                  "dx_rows_pointer": (dx_kernel,)}
+                  "dx_rows_pointer": (dx_kernel,),
+                  "fc1_plain": (pre_saved,), "dh_ws": dh_ref, "fc1_ws": fc1_ref,
+                  "dh_ws_plain": (dh_ref_plain,)}
     return plan, references, [
         ("fc1_act", gemm1, "row_glu" if activation == "swiglu" else "row",
          lambda c: row_gemm_with(c, x, fc1, hid, plan, transpose_weight=True, epilogue=EPI_ACT_FWD,
-                                 activation=activation, gather_a=True, pre=pre, n=h),
+                                 activation=activation, gather_a=True, pre=pre, n=h, warp_specialize=False),
          lambda: (hid, pre), nothing),
+        # fc1 in the warp-specialized Gluon kernel (Hopper), checked against the Triton kernel's.
+        ("fc1_ws", gemm1, "gluon",
+         lambda c: row_gemm(x, fc1, hid_ws, plan, transpose_weight=True, epilogue=EPI_ACT_FWD, activation=activation,
+                            gather_a=True, pre=pre_ws, n=h, warp_specialize=True),
+         lambda: (hid_ws, pre_ws), nothing),
+        # Diagnostic: fc1 and dH without their fused epilogues (the same gathered main loops, a plain
+        # store of the accumulator): the difference is what the epilogues cost, the most that
+        # overlapping them with another tile's main loop can gain.
+        ("fc1_plain", gemm1, "row",
+         lambda c: row_gemm_with(c, x, fc1, pre_plain, plan, transpose_weight=True, gather_a=True, n=width),
+         lambda: (pre_plain,), nothing),
+        # Diagnostic: dH's main loop in the warp-specialized kernel with a plain store for its epilogue.
+        ("dh_ws_plain", gemm, "gluon",
+         lambda c: launch_call(ws_call(dy, fc2, dh_ws_plain, plan, epilogue=EPI_STORE, act=0, glu=False, pre=None, n=h,
+                                       sm_count=sm_count(dy.device))),
+         lambda: (dh_ws_plain,), nothing),
+        ("dh_plain", gemm, "row",
+         lambda c: row_gemm_with(c, dy, fc2, dh_plain, plan, transpose_weight=False, gather_a=True, n=h),
+         lambda: (dh_plain,), nothing),
         ("fc2", gemm, "row",
          lambda c: row_gemm_with(c, hid, fc2, expert_out, plan, transpose_weight=True, gather_a=False, n=d),
          lambda: (expert_out,), nothing),
         ("dh_act_bwd", gemm, "row_act_bwd",
          lambda c: row_gemm_with(c, dy, fc2, h_scaled, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
                                  activation=activation, gather_a=True, pre=pre, probs_sorted=probs_sorted,
-                                 ds_partial=ds, n=h),
+                                 ds_partial=ds, n=h, warp_specialize=False),
          lambda: (h_scaled, pre, ds.sum(1)), restore_pre),
+        # dH in the warp-specialized Gluon kernel (Hopper), checked against the Triton kernel's.
+        ("dh_ws", gemm, "gluon",
+         lambda c: row_gemm(dy, fc2, h_scaled_ws, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
+                            activation=activation, gather_a=True, pre=pre, probs_sorted=probs_sorted,
+                            ds_partial=ds, n=h, warp_specialize=True),
+         lambda: (h_scaled_ws, pre, ds.sum(1)), restore_pre),
         ("dw2", gemm, "wgrad",
          lambda c: weight_grad_with(c, dy, h_scaled, dw2, plan, gather_a=True, gather_b=False),
          lambda: (dw2,), nothing),
@@ -234,14 +276,18 @@ def tune(shapes, ops_wanted, activation, reps, config_filters, time_limit, out=N
         wgrad_bmm = dense_rate(rows, d, fc1.shape[1], reps, experts=E)
         print(f"== {shape} {activation} T={T} d={d} h={h} E={E} K={K}: dense bf16 mm {peak:.0f} TFLOP/s; dW1 as a cuBLAS "
               f"batched mm (even split, transposed operand) {wgrad_bmm:.0f}", flush=True)
+        hopper = torch.cuda.get_device_capability()[0] == 9
         for name, flops, kind, launch, outputs, reset in ops:
             if name not in wanted:
+                continue
+            if kind == "gluon" and not hopper:
+                print(f"  {name:14s} skipped: the warp-specialized kernel runs on Hopper only", flush=True)
                 continue
             reset()
             launch(None)  # the autotuned launch is the reference result, unless another op's is
             ref = list(references.get(name, ())) or [t.clone() for t in outputs()]
-            if kind == "torch":
-                picked = "torch"
+            if kind in ("torch", "gluon"):
+                picked = kind
             else:
                 # Once more through Triton's launch path: the autotuner's best_config then names this
                 # launch's config (a direct launch leaves it at whichever ran through Triton last).
@@ -252,7 +298,7 @@ def tune(shapes, ops_wanted, activation, reps, config_filters, time_limit, out=N
                 finally:
                     KNOBS.direct_launch = True
                 picked = config_label((weight_grad_kernel if kind == "wgrad" else row_gemm_kernel).best_config)
-            if kind == "torch":
+            if kind in ("torch", "gluon"):
                 candidates = []
             elif kind == "wgrad":
                 candidates = [wgrad_config(*c) for c in WGRAD_CONFIGS]
@@ -261,14 +307,14 @@ def tune(shapes, ops_wanted, activation, reps, config_filters, time_limit, out=N
             candidates = [c for c in candidates if any(f in config_label(c) for f in config_filters)]
             # The autotuned launch itself, timed like the candidates, for comparison.
             for cfg in [None] + candidates:
-                label = picked if kind == "torch" else "autotuned" if cfg is None else config_label(cfg)
+                label = picked if kind in ("torch", "gluon") else "autotuned" if cfg is None else config_label(cfg)
                 rec = dict(shape=shape, activation=activation, op=name, config=label, T=T, d=d, h=h, E=E, K=K,
                            dense_tflops=peak, wgrad_bmm_tflops=wgrad_bmm)
                 if cfg is None:
                     rec["picked"] = picked
                 try:
                     # Poison what the launch must overwrite (dH's pre is its input: reset restores it).
-                    for t in outputs()[:1] if name.startswith("dh_act_bwd") else outputs():
+                    for t in outputs()[:1] if name.startswith(("dh_act_bwd", "dh_ws")) else outputs():
                         t.fill_(float("nan"))
                     reset()
                     launch(cfg)
@@ -282,10 +328,10 @@ def tune(shapes, ops_wanted, activation, reps, config_filters, time_limit, out=N
 
                 records.append(rec)
                 previous = best.get((shape, name))
-                if (cfg is not None or kind == "torch") and rec["ok"] and (previous is None or rec["ms"] < previous["ms"]):
+                if (cfg is not None or kind in ("torch", "gluon")) and rec["ok"] and (previous is None or rec["ms"] < previous["ms"]):
                     best[(shape, name)] = rec
                 status = f"{rec['ms']:.3f} ms {rec['tflops']:.0f} TF/s err {rec['err']:.1e}" if rec["ms"] else rec["error"]
-                shown = label if cfg or kind == "torch" else "autotuned " + picked
+                shown = label if cfg or kind in ("torch", "gluon") else "autotuned " + picked
                 print(f"  {name:14s} {shown:24s} {status}", flush=True)
         del plan, ops, references, fc1
         torch.cuda.empty_cache()

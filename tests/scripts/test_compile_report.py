@@ -39,6 +39,28 @@ def test_compiles_the_halves_for_hopper_and_compares_runs(tmp_path):
     assert "| dx_halves |" in again.stdout.splitlines()[-2]
 
 
+def test_the_warp_specialized_epilogues_compile_for_hopper(tmp_path):
+    """The Gluon kernel (no interpreter: this is its CPU check) compiles with this machine's Triton
+    for sm_90a, fc1's forward (stacked and as halves) and dH's backward, within the register split
+    its launch asks for (12 warps x 168), its main loop's wgmma chain not serialized by ptxas, and
+    no more than a few spilled bytes (dH: 8 with Triton 3.6's ptxas, 72 with 3.8's; the tilings
+    that did not fit spilled kilobytes)."""
+    from moeblaze_megatron.kernels.row_gemm_ws import WS_MAXNREG
+
+    out = tmp_path / "compile.json"
+    launches = ["fc1_act_ws", "fc1_act_halves_ws", "dh_act_bwd_ws"]
+    done = _run("--shape", "7b", "--launches", ",".join(launches), "--fresh", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    records = json.loads(out.read_text())["records"]
+    assert [r["launch"] for r in records] == launches
+    for record in records:
+        assert record["config"] == "fixed" and record["wgmma"] and record["tma"], record
+        assert 0 < record["registers"] <= WS_MAXNREG and not record["wgmma_serialized"], record
+        assert record["spill_store_bytes"] <= 128, record
+        assert any(op.startswith("setmaxnreg") for op in record["histogram"]), record["histogram"]
+        assert any(op.startswith("cp.async.mbarrier.arrive") for op in record["histogram"]), record["histogram"]
+
+
 def test_diff_names_the_moved_opcodes():
     old = [{"launch": "dx", "config": "c", "histogram": {"add.s32": 3, "wgmma": 4}},
            {"launch": "fc2", "config": "c", "histogram": {"add.s32": 1}}]

@@ -34,12 +34,33 @@ def test_every_op_writes_finite_outputs(layer):
     _, _, ops, _ = layer
     assert {"fc1_act", "fc2", "dh_act_bwd", "dw2", "dw1", "dw1_contiguous", "dw1_grouped_mm", "dw2_grouped_mm",
             "dw1_pointer", "dw2_pointer", "dx", "fc2_grouped_mm", "dx_grouped_mm", "fc1_act_pointer",
-            "dh_act_bwd_pointer", "dx_pointer", "fc2_rows_pointer", "dx_rows_pointer"} <= set(ops)
-    for name in ops:
+            "dh_act_bwd_pointer", "dx_pointer", "fc2_rows_pointer", "dx_rows_pointer", "fc1_plain", "dh_plain",
+            "fc1_ws", "dh_ws", "dh_ws_plain"} <= set(ops)
+    for name, (_, _, kind, *_) in ops.items():
         if name.endswith("_grouped_mm"):
             continue  # returns a fresh tensor; checked below
+        if kind == "gluon":
+            continue  # Hopper only (tune() skips them elsewhere); tests/gpu runs the kernel
         for out in _run(ops, name):
             assert torch.isfinite(out).all(), name
+
+
+def test_the_plain_ops_are_the_fused_ones_main_loops(layer):
+    """fc1_plain stores fc1's pre-activations (what fc1_act stores beside act(pre)); dh_plain the
+    dH that dh_act_bwd's epilogue starts from (checked through its partials: <dH, act(pre)>)."""
+    plan, references, ops, _ = layer
+    used = int(plan.expert_token_offsets[-1])
+    pre = _run(ops, "fc1_act")[1][:used]
+    assert torch.equal(_run(ops, "fc1_plain")[0][:used], pre)
+    saved = references["fc1_plain"][0][:used].float()  # what the dH ops start from
+    if saved.shape[1] == 2 * H:
+        gate, up = saved.chunk(2, dim=1)
+        act = gate * torch.sigmoid(gate) * up
+    else:
+        act = saved * torch.sigmoid(saved)
+    dh = _run(ops, "dh_plain")[0][:used].float()
+    partials = _run(ops, "dh_act_bwd")[2][:used]
+    assert torch.allclose(partials, (dh * act).sum(dim=1), rtol=1e-4, atol=1e-4 * partials.abs().max().item())
 
 
 def test_weight_gradient_ops_agree_with_a_float64_reduction(layer):

@@ -1,0 +1,603 @@
+"""The row GEMM's fused-epilogue launches on Hopper with the epilogue in warps of its own (Gluon).
+
+``row_gemm_kernel`` runs a tile's epilogue in the warps that multiplied it, so the tensor cores
+idle while the saved pre-activations are read and the results written: 23-41% of dH's time on the
+benchmarked shapes (benchmarks/NOTES.md, twenty-third session). Here one persistent program per
+multiprocessor runs two partitions on different tiles at once:
+
+- the main loop (8 warps, two warpgroups on one 128 x 256 tile, the Triton kernel's tile): A's
+  rows gathered by token with ``cp.async`` (each thread's copies arrive on an mbarrier; rows past
+  the tile's expert read zeros), the weight's tile by TMA, STAGES - 1 steps ahead across tile
+  boundaries, wgmma; at each tile's end the accumulator, rounded to the storage dtype, goes to the
+  epilogue through one shared-memory buffer and the next tile starts;
+- the epilogue (4 warps): the activation forward (fc1: pre and act(pre) stored) or backward (dH:
+  d pre over pre, p * act(pre), the router-gradient partials) from that buffer, 16 columns at a
+  time, three chunks' loads in flight.
+
+Same tile, k order and roundings as ``row_gemm_kernel``, so every output but the
+router-gradient partials (one per 256-column tile, summed in another order) is bitwise the
+Triton kernel's. ``ws_takes`` says which launches it takes, ``ws_call`` builds one; the launchers
+choose it under ``KNOBS.warp_specialize`` (``row_gemm.row_gemm_call``).
+
+Gluon has no interpreter: this path runs on Hopper GPUs only, held to the Triton kernel and to
+float64 by tests/gpu and compiled for sm_90a on the CPU by tests/scripts; the Triton kernel stays
+the CPU-tested path and the fallback everywhere else.
+"""
+
+# No `from __future__ import annotations`: Gluon's aggregates check their fields' annotated types.
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.language.core import _aggregate as aggregate
+
+from .configs import ACT_BWD_BLOCK_N
+from .row_gemm import _act, _act_grad, _silu_parts  # Triton functions: Gluon calls them as they are
+
+# The Triton 3.6 name of the TMA load (3.8 calls it async_load).
+_tma_load = getattr(tma, "async_copy_global_to_shared", None) or tma.async_load
+
+
+@aggregate
+class _Tiles:
+    """The persistent schedule every partition walks in the same order: this program's tiles of
+    the row tiles (each inside one expert) x column tiles, grouped by GROUP_M row tiles."""
+
+    offsets_ptr: gl.tensor
+    E: gl.tensor
+    m_tiles: gl.tensor
+    n_tiles: gl.tensor
+    BLOCK_M: gl.constexpr
+    GROUP_M: gl.constexpr
+    E_POW2: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, offsets_ptr, E, m_tiles, n_tiles, BLOCK_M, GROUP_M, E_POW2):
+        self.offsets_ptr = offsets_ptr
+        self.E = E
+        self.m_tiles = m_tiles
+        self.n_tiles = n_tiles
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.GROUP_M = gl.constexpr(GROUP_M)
+        self.E_POW2 = gl.constexpr(E_POW2)
+
+    @gluon.jit
+    def create(offsets_ptr, E, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+               E_POW2: gl.constexpr):
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        e_idx = gl.arange(0, E_POW2, layout=layout)
+        lo = gl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
+        hi = gl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
+        m_tiles = gl.sum((hi - lo + BLOCK_M - 1) // BLOCK_M, axis=0)
+        return _Tiles(offsets_ptr, E, m_tiles, gl.cdiv(N, BLOCK_N), BLOCK_M, GROUP_M, E_POW2)
+
+    @gluon.jit
+    def count(self):
+        """How many tiles this program runs."""
+        total = self.m_tiles * self.n_tiles
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        return gl.maximum(total - pid + nprog - 1, 0) // nprog
+
+    @gluon.jit
+    def coords(self, i):
+        """This program's i-th tile: (expert, the expert's first row, the tile's first row, the end
+        of the expert's rows, the tile's column block)."""
+        t = gl.program_id(0) + i * gl.num_programs(0)
+        in_group = self.GROUP_M * self.n_tiles
+        first_m = (t // in_group) * self.GROUP_M
+        # (At least 1: a program asks for the tile after its last one too, which does not exist.)
+        group_rows = gl.maximum(gl.minimum(self.m_tiles - first_m, self.GROUP_M), 1)
+        pid_m = first_m + (t % in_group) % group_rows
+        pid_n = (t % in_group) // group_rows
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        e_idx = gl.arange(0, self.E_POW2, layout=layout)
+        lo = gl.load(self.offsets_ptr + e_idx, mask=e_idx < self.E, other=0)
+        hi = gl.load(self.offsets_ptr + e_idx + 1, mask=e_idx < self.E, other=0)
+        tiles = (hi - lo + self.BLOCK_M - 1) // self.BLOCK_M
+        ends = gl.associative_scan(tiles, 0, _add)
+        e = gl.sum((ends <= pid_m).to(gl.int32), axis=0)
+        this = e_idx == e
+        first_tile = gl.sum(gl.where(this, ends - tiles, 0), axis=0)
+        row_lo = gl.sum(gl.where(this, lo, 0), axis=0)
+        row_end = gl.sum(gl.where(this, hi, 0), axis=0)
+        return e, row_lo, row_lo + (pid_m - first_tile) * self.BLOCK_M, row_end, pid_n
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.constexpr_function
+def _rows_layout(bitwidth, cols, warps):
+    """A [rows, cols] tile's layout: rows over the warps, columns in 16-byte vectors."""
+    vec = 128 // bitwidth
+    return gl.BlockedLayout([1, vec], [32 // (cols // vec), cols // vec], [warps, 1], [1, 0])
+
+
+@aggregate
+class _Shared:
+    """The buffers and barriers the two partitions share."""
+
+    a_bufs: gl.shared_memory_descriptor
+    b_bufs: gl.shared_memory_descriptor
+    a_ready: gl.shared_memory_descriptor
+    b_ready: gl.shared_memory_descriptor
+    acc_buf: gl.shared_memory_descriptor
+    acc_ready: gl.shared_memory_descriptor
+    acc_empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, a_bufs, b_bufs, a_ready, b_ready, acc_buf, acc_ready, acc_empty):
+        self.a_bufs = a_bufs
+        self.b_bufs = b_bufs
+        self.a_ready = a_ready
+        self.b_ready = b_ready
+        self.acc_buf = acc_buf
+        self.acc_ready = acc_ready
+        self.acc_empty = acc_empty
+
+
+@aggregate
+class _Problem:
+    """The launch's tensors and sizes (pointers as the Triton kernel takes them)."""
+
+    a_ptr: gl.tensor
+    b_desc: tma.tensor_descriptor
+    b2_desc: tma.tensor_descriptor
+    c_ptr: gl.tensor
+    pre_ptr: gl.tensor
+    probs_ptr: gl.tensor
+    ds_ptr: gl.tensor
+    token_idx_ptr: gl.tensor
+    N: gl.tensor
+    K: gl.tensor
+    stride_am: gl.tensor
+    stride_cm: gl.tensor
+    stride_pm: gl.tensor
+    stride_dsm: gl.tensor
+    B_ROWS: gl.tensor
+    UP_OFF: gl.tensor
+    tiles: _Tiles
+    EPILOGUE: gl.constexpr
+    ACT: gl.constexpr
+    GLU: gl.constexpr
+    STORE_PRE: gl.constexpr
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    BLOCK_K: gl.constexpr
+    OUT_N: gl.constexpr
+    STAGES: gl.constexpr
+    CHUNK: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, a_ptr, b_desc, b2_desc, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, N, K, stride_am,
+                 stride_cm, stride_pm, stride_dsm, B_ROWS, UP_OFF, tiles, EPILOGUE, ACT, GLU, STORE_PRE, BLOCK_M,
+                 BLOCK_N, BLOCK_K, OUT_N, STAGES, CHUNK):
+        self.a_ptr = a_ptr
+        self.b_desc = b_desc
+        self.b2_desc = b2_desc
+        self.c_ptr = c_ptr
+        self.pre_ptr = pre_ptr
+        self.probs_ptr = probs_ptr
+        self.ds_ptr = ds_ptr
+        self.token_idx_ptr = token_idx_ptr
+        self.N = N
+        self.K = K
+        self.stride_am = stride_am
+        self.stride_cm = stride_cm
+        self.stride_pm = stride_pm
+        self.stride_dsm = stride_dsm
+        self.B_ROWS = B_ROWS
+        self.UP_OFF = UP_OFF
+        self.tiles = tiles
+        self.EPILOGUE = gl.constexpr(EPILOGUE)
+        self.ACT = gl.constexpr(ACT)
+        self.GLU = gl.constexpr(GLU)
+        self.STORE_PRE = gl.constexpr(STORE_PRE)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.BLOCK_K = gl.constexpr(BLOCK_K)
+        self.OUT_N = gl.constexpr(OUT_N)
+        self.STAGES = gl.constexpr(STAGES)
+        self.CHUNK = gl.constexpr(CHUNK)
+
+
+@gluon.jit
+def _tile_rows(p: _Problem, i, layout: gl.constexpr):
+    """This program's i-th tile for the loads: (expert, column block, A's source row of each of
+    its rows, which rows are the expert's: none past the program's last tile)."""
+    e, row_lo, row0, row_end, pid_n = p.tiles.coords(i)
+    rows = row0 + gl.arange(0, p.BLOCK_M, layout=gl.SliceLayout(1, layout))
+    row_ok = (rows < row_end) & (i < p.tiles.count())
+    src = gl.load(p.token_idx_ptr + rows, mask=row_ok, other=0).to(gl.int64)
+    return e, pid_n, src, row_ok
+
+
+@gluon.jit
+def _issue(p: _Problem, s: _Shared, j, e, pid_n, src, row_ok, k, valid, layout: gl.constexpr):
+    """Step j's loads into stage j % STAGES, where ``valid``: A's rows gathered by cp.async (each
+    thread's copies arrive on a_ready when they land; rows past the expert read zeros), the
+    weight's tile by TMA (b_ready counts its bytes). Predicated rather than branched: a branch
+    around them would serialize the main loop's wgmma (ptxas C7518)."""
+    stage = j % p.STAGES
+    b_bar = s.b_ready.index(stage)
+    b_buf = s.b_bufs.index(stage)
+    if p.EPILOGUE == 1:
+        # fc1: the weight's rows are the output columns, [BLOCK_N, BLOCK_K] tiles of [E * B_ROWS, K];
+        # SwiGLU's gate rows (b_desc) and up rows (b2_desc, UP_OFF on) fill the tile's two halves.
+        row = e * p.B_ROWS + pid_n * p.OUT_N
+        if p.GLU:
+            half: gl.constexpr = p.BLOCK_N // 2
+            mbarrier.expect(b_bar, 2 * p.b_desc.block_type.nbytes, pred=valid)
+            _tma_load(p.b_desc, [row, k], b_bar, b_buf.slice(0, half, dim=0), pred=valid)
+            _tma_load(p.b2_desc, [row + p.UP_OFF, k], b_bar, b_buf.slice(half, half, dim=0), pred=valid)
+        else:
+            mbarrier.expect(b_bar, p.b_desc.block_type.nbytes, pred=valid)
+            _tma_load(p.b_desc, [row, k], b_bar, b_buf, pred=valid)
+    else:
+        # dH: [BLOCK_K, BLOCK_N] tiles of the weight as [E * K, N].
+        mbarrier.expect(b_bar, p.b_desc.block_type.nbytes, pred=valid)
+        _tma_load(p.b_desc, [e * p.K + k, pid_n * p.BLOCK_N], b_bar, b_buf, pred=valid)
+    ks = k + gl.arange(0, p.BLOCK_K, layout=gl.SliceLayout(0, layout))
+    ptrs = p.a_ptr + src[:, None] * p.stride_am + ks[None, :]
+    async_copy.async_copy_global_to_shared(s.a_bufs.index(stage), ptrs,
+                                           (row_ok & valid)[:, None] & (ks < p.K)[None, :])
+    # Past the last step this completes a phase nobody waits for.
+    async_copy.mbarrier_arrive(s.a_ready.index(stage), increment_count=False)
+
+
+@gluon.jit
+def _mainloop(p: _Problem, s: _Shared):
+    """Loads and main loops: STAGES - 1 k-steps' loads in flight ahead of the MMA, across tile
+    boundaries (the next tile's rows are found at the start of each tile); after each tile's
+    last step the accumulator, in the storage dtype, goes into acc_buf once the epilogue
+    partition has read the previous tile."""
+    BM: gl.constexpr = p.BLOCK_M
+    BN: gl.constexpr = p.BLOCK_N
+    BK: gl.constexpr = p.BLOCK_K
+    S: gl.constexpr = p.STAGES
+    WARPS: gl.constexpr = gl.num_warps()
+    ld_layout: gl.constexpr = _rows_layout(p.a_ptr.dtype.element_ty.primitive_bitwidth, BK, WARPS)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                         instr_shape=[16, BN, 16])
+    k_steps = gl.cdiv(p.K, BK)
+    n_tiles = p.tiles.count()
+    total = n_tiles * k_steps
+    e, pid_n, src, row_ok = _tile_rows(p, 0, ld_layout)
+    # The first S - 1 steps (the first tile's, or past it when it has fewer).
+    for j in gl.static_range(S - 1):
+        jt = j // k_steps
+        e_j, pid_n_j, src_j, row_ok_j = _tile_rows(p, jt, ld_layout)
+        _issue(p, s, j, e_j, pid_n_j, src_j, row_ok_j, (j % k_steps) * BK, j < total, ld_layout)
+    it = 0
+    for i in range(n_tiles):
+        # The tile whose loads the last S - 1 steps of this one issue.
+        e_next, pid_n_next, src_next, row_ok_next = _tile_rows(p, i + 1, ld_layout)
+        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
+        for kk in range(k_steps):
+            stage = it % S
+            phase = (it // S) & 1
+            mbarrier.wait(s.a_ready.index(stage), phase)
+            mbarrier.wait(s.b_ready.index(stage), phase)
+            # A came through the generic proxy (cp.async); wgmma reads shared memory through the async one.
+            fence_async_shared()
+            b = s.b_bufs.index(stage)
+            if p.EPILOGUE == 1:
+                b = b.permute((1, 0))
+            acc = warpgroup_mma(s.a_bufs.index(stage), b, acc, use_acc=kk > 0, is_async=True)
+            # Step it - 1's MMA is done once at most this one is outstanding: its stage takes step
+            # it + S - 1's loads (this tile's, or the next one's).
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            ahead = kk + S - 1
+            nxt = ahead >= k_steps
+            _issue(p, s, it + S - 1, gl.where(nxt, e_next, e), gl.where(nxt, pid_n_next, pid_n),
+                   gl.where(nxt, src_next, src), gl.where(nxt, row_ok_next, row_ok),
+                   gl.where(nxt, ahead - k_steps, ahead) * BK, it + S - 1 < total, ld_layout)
+            it += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        e, pid_n, src, row_ok = e_next, pid_n_next, src_next, row_ok_next
+        mbarrier.wait(s.acc_empty, (i & 1) ^ 1)
+        # acc_buf holds the tile as BLOCK_N / CHUNK column chunks, which the epilogue indexes
+        # in a loop (a shared-memory slice takes static bounds only).
+        pieces = _split_columns(acc.to(p.c_ptr.dtype.element_ty), BN // p.CHUNK)
+        for c in gl.static_range(BN // p.CHUNK):
+            s.acc_buf.index(c).store(pieces[c])
+        mbarrier.arrive(s.acc_ready)
+
+
+@gluon.jit
+def _split_columns(x, PIECES: gl.constexpr):
+    """``x`` [M, N] as a tuple of PIECES column blocks [M, N / PIECES], in order (PIECES a power of two)."""
+    xs = (x,)
+    for _ in gl.static_range(PIECES.bit_length() - 1):
+        halves = ()
+        for j in gl.static_range(len(xs)):
+            y = xs[j]
+            halves += y.reshape([y.shape[0], 2, y.shape[1] // 2]).permute((0, 2, 1)).split()
+        xs = halves
+    return xs
+
+
+@gluon.jit
+def _load_pre(p: _Problem, r64, row_ok, cols):
+    """The saved pre-activations of the rows r64 and the columns cols: (gate, up) for SwiGLU,
+    (pre, pre) otherwise."""
+    mask = row_ok[:, None] & (cols < p.N)[None, :]
+    pre_ptrs = p.pre_ptr + r64[:, None] * p.stride_pm + cols[None, :]
+    g = gl.load(pre_ptrs, mask=mask, other=0.0)
+    if p.GLU:
+        up = gl.load(pre_ptrs + p.N, mask=mask, other=0.0)
+    else:
+        up = g
+    return g, up
+
+
+@gluon.jit
+def _epilogue_rows(p: _Problem, i, layout: gl.constexpr):
+    """The epilogue's view of this program's i-th tile: its rows (also as int64), which of them are
+    the expert's, and its column block."""
+    e, row_lo, row0, row_end, pid_n = p.tiles.coords(i)
+    rows = row0 + gl.arange(0, p.BLOCK_M, layout=gl.SliceLayout(1, layout))
+    return rows, rows < row_end, rows.to(gl.int64), pid_n
+
+
+@gluon.jit
+def _epilogue(p: _Problem, s: _Shared):
+    if p.EPILOGUE == 1:
+        _epilogue_fwd(p, s)
+    elif p.EPILOGUE == 2:
+        _epilogue_bwd(p, s)
+    else:
+        _epilogue_store(p, s)
+
+
+@gluon.jit
+def _epilogue_store(p: _Problem, s: _Shared):
+    """EPILOGUE 0 (a diagnostic: the main loop's rate without an epilogue's work): each tile from
+    acc_buf into c as it is."""
+    CH: gl.constexpr = p.CHUNK
+    layout: gl.constexpr = _rows_layout(p.c_ptr.dtype.element_ty.primitive_bitwidth, CH, gl.num_warps())
+    cols_in = gl.arange(0, CH, layout=gl.SliceLayout(0, layout))
+    for i in range(p.tiles.count()):
+        rows, row_ok, r64, pid_n = _epilogue_rows(p, i, layout)
+        mbarrier.wait(s.acc_ready, i & 1)
+        for c in range(p.BLOCK_N // CH):
+            cols = pid_n * p.BLOCK_N + c * CH + cols_in
+            mask = row_ok[:, None] & (cols < p.N)[None, :]
+            gl.store(p.c_ptr + r64[:, None] * p.stride_cm + cols[None, :], s.acc_buf.index(c).load(layout), mask=mask)
+        mbarrier.arrive(s.acc_empty)
+
+
+@gluon.jit
+def _epilogue_fwd(p: _Problem, s: _Shared):
+    """The activation forward of each tile, CHUNK columns at a time, from acc_buf (the
+    pre-activations rounded to the storage dtype, which backward recomputes from): pre stored
+    (gate, and up N columns on, for SwiGLU) where STORE_PRE, act(pre) (silu(gate) * up) into c."""
+    CH: gl.constexpr = p.CHUNK
+    NC: gl.constexpr = p.OUT_N // CH
+    out_dtype: gl.constexpr = p.c_ptr.dtype.element_ty
+    layout: gl.constexpr = _rows_layout(out_dtype.primitive_bitwidth, CH, gl.num_warps())
+    cols_in = gl.arange(0, CH, layout=gl.SliceLayout(0, layout))
+    for i in range(p.tiles.count()):
+        rows, row_ok, r64, pid_n = _epilogue_rows(p, i, layout)
+        mbarrier.wait(s.acc_ready, i & 1)
+        for c in range(NC):
+            cols = pid_n * p.OUT_N + c * CH + cols_in
+            mask = row_ok[:, None] & (cols < p.N)[None, :]
+            gate = s.acc_buf.index(c).load(layout)
+            pre_ptrs = p.pre_ptr + r64[:, None] * p.stride_pm + cols[None, :]
+            if p.STORE_PRE:
+                gl.store(pre_ptrs, gate, mask=mask)
+            if p.GLU:
+                up = s.acc_buf.index(c + NC).load(layout)
+                if p.STORE_PRE:
+                    gl.store(pre_ptrs + p.N, up, mask=mask)
+                h = _act(gate.to(gl.float32), p.ACT) * up.to(gl.float32)
+            else:
+                h = _act(gate.to(gl.float32), p.ACT)
+            gl.store(p.c_ptr + r64[:, None] * p.stride_cm + cols[None, :], h.to(out_dtype), mask=mask)
+        # Every chunk of the buffer is read: the main loop may hand over the next tile.
+        mbarrier.arrive(s.acc_empty)
+
+
+@gluon.jit
+def _epilogue_bwd(p: _Problem, s: _Shared):
+    """The activation backward of each tile, CHUNK columns at a time, from acc_buf (dH rounded to
+    the storage dtype): d pre over pre (d gate and, N columns on, d up for SwiGLU), p * act(pre)
+    into c, and the rows' partial <dH, act(pre)> into ds (one per column tile)."""
+    CH: gl.constexpr = p.CHUNK
+    NC: gl.constexpr = p.BLOCK_N // CH
+    out_dtype: gl.constexpr = p.c_ptr.dtype.element_ty
+    layout: gl.constexpr = _rows_layout(out_dtype.primitive_bitwidth, CH, gl.num_warps())
+    cols_in = gl.arange(0, CH, layout=gl.SliceLayout(0, layout))
+    for i in range(p.tiles.count()):
+        rows, row_ok, r64, pid_n = _epilogue_rows(p, i, layout)
+        prob = gl.load(p.probs_ptr + rows, mask=row_ok, other=0.0).to(gl.float32)
+        ds = gl.zeros([p.BLOCK_M], dtype=gl.float32, layout=gl.SliceLayout(1, layout))
+        col0 = pid_n * p.BLOCK_N
+        # Three chunks' loads ahead of the one computed: four warps keep enough in flight only so.
+        g, up = _load_pre(p, r64, row_ok, col0 + cols_in)
+        g1, up1 = _load_pre(p, r64, row_ok, col0 + CH + cols_in)
+        g2, up2 = _load_pre(p, r64, row_ok, col0 + 2 * CH + cols_in)
+        mbarrier.wait(s.acc_ready, i & 1)
+        for c in range(NC):
+            cols = col0 + c * CH + cols_in
+            # Loads before this chunk's stores (d pre is written over pre; other columns).
+            g3, up3 = _load_pre(p, r64, row_ok & (c + 3 < NC), cols + 3 * CH)
+            dh_raw = s.acc_buf.index(c).load(layout).to(gl.float32)
+            mask = row_ok[:, None] & (cols < p.N)[None, :]
+            pre_ptrs = p.pre_ptr + r64[:, None] * p.stride_pm + cols[None, :]
+            gf = g.to(gl.float32)
+            dh = dh_raw * prob[:, None]
+            if p.GLU:
+                upf = up.to(gl.float32)
+                sig, silu = _silu_parts(gf)
+                h = silu * upf
+                gl.store(pre_ptrs + p.N, (dh * silu).to(out_dtype), mask=mask)
+                d_pre = dh * upf * sig * (1.0 + gf * (1.0 - sig))
+            else:
+                h = _act(gf, p.ACT)
+                d_pre = dh * _act_grad(gf, p.ACT)
+            gl.store(pre_ptrs, d_pre.to(out_dtype), mask=mask)
+            gl.store(p.c_ptr + r64[:, None] * p.stride_cm + cols[None, :], (h * prob[:, None]).to(out_dtype),
+                     mask=mask)
+            ds += gl.sum(gl.where(mask, dh_raw * h, 0.0), axis=1)
+            g, up, g1, up1, g2, up2 = g1, up1, g2, up2, g3, up3
+        # Every chunk of the buffer is read: the main loop may hand over the next tile.
+        mbarrier.arrive(s.acc_empty)
+        gl.store(p.ds_ptr + r64 * p.stride_dsm + pid_n, ds, mask=row_ok)
+
+
+@gluon.jit
+def row_gemm_ws_kernel(
+    a_ptr, b_desc, b2_desc, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, offsets_ptr,
+    N, K, E, B_ROWS, UP_OFF, stride_am, stride_cm, stride_pm, stride_dsm,
+    EPILOGUE: gl.constexpr, ACT: gl.constexpr, GLU: gl.constexpr, STORE_PRE: gl.constexpr,
+    E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr, EPILOGUE_WARPS: gl.constexpr,
+    EPILOGUE_REGS: gl.constexpr,
+):
+    """C = A[src] @ B[e] per row tile with ``row_gemm_kernel``'s fused epilogues, one program per
+    multiprocessor (K a multiple of BLOCK_K and at least (STAGES - 1) * BLOCK_K).
+
+    EPILOGUE 1, the activation forward (fc1): B is [E * B_ROWS, K] (the weight's rows are the
+    output columns, as nn.Linear keeps them); for SwiGLU b_desc's rows are the gates and b2_desc's,
+    UP_OFF rows on, the ups ([gate | up] stacked: both over one tensor; torchtitan's w1 and w3:
+    one each), and each 128 x 256 tile is 128 gate and 128 up columns.
+    EPILOGUE 2, the activation backward (dH): B is [E * K, N], b2_desc unused."""
+    dtype: gl.constexpr = b_desc.dtype
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    if EPILOGUE == 1:
+        b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], b_layout)
+    else:
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+    acc_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    acc_buf = gl.allocate_shared_memory(dtype, [BLOCK_N // CHUNK, BLOCK_M, CHUNK], acc_layout)
+    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    acc_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        # Each main-loop thread's cp.async arrival counts once (noinc).
+        mbarrier.init(a_ready.index(i), count=gl.num_warps() * 32)
+        mbarrier.init(b_ready.index(i), count=1)
+    mbarrier.init(acc_ready, count=1)
+    mbarrier.init(acc_empty, count=1)
+
+    # Integers Triton specialized to constants (1) become tensors again: the aggregates hold tensors.
+    N, K, E, B_ROWS, UP_OFF = gl.to_tensor(N), gl.to_tensor(K), gl.to_tensor(E), gl.to_tensor(B_ROWS), gl.to_tensor(UP_OFF)
+    stride_am, stride_cm = gl.to_tensor(stride_am), gl.to_tensor(stride_cm)
+    stride_pm, stride_dsm = gl.to_tensor(stride_pm), gl.to_tensor(stride_dsm)
+    # The output columns one tile covers: the SwiGLU forward's tile is half gate, half up.
+    OUT_N: gl.constexpr = BLOCK_N // 2 if EPILOGUE == 1 and GLU else BLOCK_N
+    tiles = _Tiles.create(offsets_ptr, E, N, BLOCK_M, OUT_N, GROUP_M, E_POW2)
+    p = _Problem(a_ptr, b_desc, b2_desc, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, N, K, stride_am,
+                 stride_cm, stride_pm, stride_dsm, B_ROWS, UP_OFF, tiles, EPILOGUE, ACT, GLU, STORE_PRE, BLOCK_M,
+                 BLOCK_N, BLOCK_K, OUT_N, STAGES, CHUNK)
+    s = _Shared(a_bufs, b_bufs, a_ready, b_ready, acc_buf, acc_ready, acc_empty)
+    gl.warp_specialize([
+        (_mainloop, (p, s)),
+        (_epilogue, (p, s)),
+    ], [EPILOGUE_WARPS], [EPILOGUE_REGS])
+
+
+# The one tile: two warpgroups on 128 x 256 (the Triton kernel's activation-backward tile, so the
+# router-gradient partials have its width; the SwiGLU forward's 128 gate and 128 up columns),
+# three 48 KB stages beside the 64 KB tile buffer.
+WS_TILE = dict(BLOCK_M=128, BLOCK_N=ACT_BWD_BLOCK_N, BLOCK_K=64, GROUP_M=8, STAGES=3, CHUNK=16)
+# 12 warps: 8 main-loop warps and 4 epilogue warps. 384 threads x 168 registers fill the
+# multiprocessor's 64K (the main loop's accumulator alone holds 128 per thread; the epilogue's
+# loads in flight most of the rest).
+WS_WARPS = 8
+WS_EPILOGUE_WARPS = 4
+WS_MAXNREG = 168
+WS_EPILOGUE_REGS = 168
+WS_DTYPES = ("torch.bfloat16", "torch.float16")
+EPI_STORE, EPI_ACT_FWD, EPI_ACT_BWD = 0, 1, 2  # row_gemm_kernel's numbering (EPI_STORE: a diagnostic here)
+
+
+def _smem_layout(block, dtype):
+    from triton.experimental.gluon.language import NVMMASharedLayout
+
+    return NVMMASharedLayout.get_default_for(block, gl.bfloat16 if str(dtype) == "torch.bfloat16" else gl.float16)
+
+
+WS_REQUIREMENTS = (
+    f"the warp-specialized fused epilogues need a Hopper GPU (compute capability 9.x), A gathered by token with K "
+    f"a multiple of {WS_TILE['BLOCK_K']} and at least {(WS_TILE['STAGES'] - 1) * WS_TILE['BLOCK_K']}, float16 or "
+    f"bfloat16 throughout, and the weight contiguous: [E, out, K] read transposed (or a gate/up pair of them) for "
+    f"the activation forward, [E, K, N] as it is for the backward")
+
+
+def ws_takes(a, weight, out, pre, epilogue, transpose_weight, capability) -> bool:
+    """Whether ``row_gemm_ws_kernel`` takes a fused-epilogue launch: a Hopper GPU (``capability``
+    (9, x)), float16 or bfloat16 throughout, A's rows in 16-byte aligned vectors over K (a multiple
+    of BLOCK_K, at least (STAGES - 1) * BLOCK_K: the loads run that far into the next tile), and
+    the weight contiguous: [E, out, K] read transposed for the activation forward (a (gate, up)
+    pair of them for SwiGLU too), [E, K, N] as it is for the activation backward."""
+    if capability is None or capability[0] != 9 or transpose_weight != (epilogue == EPI_ACT_FWD):
+        return False
+    weights = weight if isinstance(weight, tuple) else (weight,)
+    tensors = (a, out, *weights) if pre is None else (a, out, pre, *weights)
+    if not all(str(t.dtype) in WS_DTYPES and t.dtype == a.dtype for t in tensors):
+        return False
+    k_dim = a.shape[1]
+    size = a.element_size()
+    bk = WS_TILE["BLOCK_K"]
+    return (k_dim % bk == 0 and k_dim >= (WS_TILE["STAGES"] - 1) * bk and a.stride(1) == 1
+            and (a.stride(0) * size) % 16 == 0 and a.data_ptr() % 16 == 0
+            and all(w.is_contiguous() and w.data_ptr() % 16 == 0 and (w.shape[2] * size) % 16 == 0
+                    and w.shape[1 if epilogue == EPI_ACT_BWD else 2] == k_dim for w in weights))
+
+
+def ws_call(a, weight, out, plan, *, epilogue, act, glu, pre, n, sm_count, store_pre=True, probs_sorted=None,
+            ds_partial=None):
+    """The ``KernelCall`` of ``row_gemm_ws_kernel`` for ``row_gemm``'s fused epilogues (the
+    arguments are ``row_gemm_call``'s; ``ws_takes`` says which it takes): the activation forward
+    (``out`` = act(pre), ``pre`` stored where ``store_pre``) or backward (``out`` = p * act(pre),
+    ``pre`` <- d pre, ``ds_partial`` <- the router-gradient partials)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .launch import KernelCall, cdiv, next_pow2
+
+    bm, bn, bk = WS_TILE["BLOCK_M"], WS_TILE["BLOCK_N"], WS_TILE["BLOCK_K"]
+    rows_total = plan.expert_token_indices.shape[0]
+    num_experts = plan.num_experts
+    if epilogue == EPI_ACT_FWD:
+        # The output columns are the weight's rows: [BLOCK_N, BLOCK_K] tiles, half of them each
+        # from the gate and up rows for SwiGLU.
+        halves = weight if isinstance(weight, tuple) else (weight,)
+        out_n = bn // 2 if glu else bn
+        descs = [TensorDescriptor.from_tensor(w.view(num_experts * w.shape[1], w.shape[2]), [out_n, bk],
+                                              _smem_layout([out_n, bk], w.dtype)) for w in halves]
+        b_desc, b2_desc = descs[0], descs[-1]
+        b_rows = halves[0].shape[1]
+        up_off = n if glu and len(halves) == 1 else 0
+    else:
+        if epilogue == EPI_ACT_BWD and ds_partial.shape[1] < cdiv(n, bn):
+            raise ValueError(f"ws_call: ds_partial must have at least {cdiv(n, bn)} columns (one per {bn}-column "
+                             f"tile of n={n}), got {ds_partial.shape[1]}")
+        k_dim = weight.shape[1]
+        b_desc = TensorDescriptor.from_tensor(weight.view(num_experts * k_dim, weight.shape[2]), [bk, bn],
+                                              _smem_layout([bk, bn], weight.dtype))
+        b2_desc, b_rows, up_off, out_n = b_desc, k_dim, 0, bn
+    tiles = (cdiv(rows_total, bm) + num_experts) * cdiv(n, out_n)
+    args = (a, b_desc, b2_desc, out, pre if pre is not None else out,
+            probs_sorted if probs_sorted is not None else out, ds_partial if ds_partial is not None else out,
+            plan.expert_token_indices, plan.expert_token_offsets, n, a.shape[1], num_experts, b_rows, up_off,
+            a.stride(0), out.stride(0), pre.stride(0) if pre is not None else 0,
+            ds_partial.stride(0) if ds_partial is not None else 0)
+    constexprs = dict(EPILOGUE=epilogue, ACT=act, GLU=glu, STORE_PRE=store_pre and pre is not None,
+                      E_POW2=max(next_pow2(num_experts + 1), 16), **WS_TILE, EPILOGUE_WARPS=WS_EPILOGUE_WARPS,
+                      EPILOGUE_REGS=WS_EPILOGUE_REGS, num_warps=WS_WARPS, maxnreg=WS_MAXNREG)
+    return KernelCall(row_gemm_ws_kernel, (max(1, min(tiles, sm_count)),), args, constexprs)
