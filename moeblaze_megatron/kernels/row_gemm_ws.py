@@ -539,13 +539,18 @@ WS_REQUIREMENTS = (
     f"the activation forward, [E, K, N] as it is for the backward")
 
 
+def on_hopper(capability) -> bool:
+    """Whether a GPU of this compute capability runs the kernel (Hopper's wgmma: 9.x only)."""
+    return capability is not None and capability[0] == 9
+
+
 def ws_takes(a, weight, out, pre, epilogue, transpose_weight, capability) -> bool:
     """Whether ``row_gemm_ws_kernel`` takes a fused-epilogue launch: a Hopper GPU (``capability``
     (9, x)), float16 or bfloat16 throughout, A's rows in 16-byte aligned vectors over K (a multiple
     of BLOCK_K, at least (STAGES - 1) * BLOCK_K: the loads run that far into the next tile), and
     the weight contiguous: [E, out, K] read transposed for the activation forward (a (gate, up)
     pair of them for SwiGLU too), [E, K, N] as it is for the activation backward."""
-    if capability is None or capability[0] != 9 or transpose_weight != (epilogue == EPI_ACT_FWD):
+    if not on_hopper(capability) or transpose_weight != (epilogue == EPI_ACT_FWD):
         return False
     weights = weight if isinstance(weight, tuple) else (weight,)
     tensors = (a, out, *weights) if pre is None else (a, out, pre, *weights)

@@ -17,6 +17,7 @@ from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels.combine import combine
 from moeblaze_megatron.kernels.knobs import KNOBS
 from moeblaze_megatron.kernels.row_gemm import EPI_ACT_FWD, expert_order_gemm, row_gemm, row_gemm_call, row_gemm_kernel
+from moeblaze_megatron.kernels.row_gemm_ws import on_hopper
 from moeblaze_megatron.kernels.tuning import row_gemm_with
 from moeblaze_megatron.kernels.weight_grad import weight_grad
 from moeblaze_megatron.moe_mlp import check_moe_mlp_args
@@ -116,7 +117,7 @@ def site_costs(cfg, activation="swiglu"):
 
     fc1_launch()
     out["fc1 row_gemm"] = host_us(fc1_launch)
-    if torch.cuda.get_device_capability()[0] == 9:
+    if on_hopper(torch.cuda.get_device_capability()):
         fc1_launch(warp_specialize=True)
         out["fc1 row_gemm, warp-specialized"] = host_us(lambda: fc1_launch(warp_specialize=True))
     KNOBS.direct_launch = False

@@ -18,7 +18,7 @@ from moeblaze_megatron.kernels.configs import config_label, sm_count
 from moeblaze_megatron.kernels.knobs import KNOBS
 from moeblaze_megatron.kernels.launch import launch_call
 from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD, EPI_STORE, row_gemm, row_gemm_kernel
-from moeblaze_megatron.kernels.row_gemm_ws import ws_call
+from moeblaze_megatron.kernels.row_gemm_ws import on_hopper, ws_call
 from moeblaze_megatron.kernels.tuning import row_gemm_with, weight_grad_with
 from moeblaze_megatron.kernels.weight_grad import weight_grad, weight_grad_kernel
 
@@ -276,7 +276,7 @@ def tune(shapes, ops_wanted, activation, reps, config_filters, time_limit, out=N
         wgrad_bmm = dense_rate(rows, d, fc1.shape[1], reps, experts=E)
         print(f"== {shape} {activation} T={T} d={d} h={h} E={E} K={K}: dense bf16 mm {peak:.0f} TFLOP/s; dW1 as a cuBLAS "
               f"batched mm (even split, transposed operand) {wgrad_bmm:.0f}", flush=True)
-        hopper = torch.cuda.get_device_capability()[0] == 9
+        hopper = on_hopper(torch.cuda.get_device_capability())
         for name, flops, kind, launch, outputs, reset in ops:
             if name not in wanted:
                 continue

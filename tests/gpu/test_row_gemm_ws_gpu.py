@@ -14,8 +14,9 @@ import torch
 from moe_testing import GPU_PERSISTENT_CASES, make_topk_ids
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD, row_gemm, row_gemm_ds_tiles
+from moeblaze_megatron.kernels.row_gemm_ws import on_hopper
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not on_hopper(torch.cuda.get_device_capability()),
                                 reason="needs a Hopper GPU")
 
 
