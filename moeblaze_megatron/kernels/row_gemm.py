@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged, to_ragged_indices
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .activations import act, act_grad, silu_parts
 from .configs import (
     ACT_GELU,
     ACT_SILU,
@@ -50,31 +51,6 @@ __all__ = [
     "expert_order_gemm", "row_gemm", "row_gemm_call", "row_gemm_ds_tiles", "row_gemm_kernel",
 ]
 
-
-
-@triton.jit
-def _silu_parts(g):
-    sig = 1.0 / (1.0 + tl.exp(-g))
-    return sig, g * sig
-
-
-@triton.jit
-def _act(g, ACT: tl.constexpr):
-    if ACT == 2:
-        return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-    else:
-        sig, silu = _silu_parts(g)
-        return silu
-
-
-@triton.jit
-def _act_grad(g, ACT: tl.constexpr):
-    if ACT == 2:
-        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
-        return cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
-    else:
-        sig, silu = _silu_parts(g)
-        return sig * (1.0 + g * (1.0 - sig))
 
 
 @triton.jit
@@ -240,12 +216,12 @@ def _row_gemm_tile(
                 if STORE_PRE:
                     tl.store(pre_ptrs, gate, mask=mask)
                     tl.store(pre_ptrs + N, up, mask=mask)
-                h = _act(gate.to(tl.float32), ACT) * up.to(tl.float32)
+                h = act(gate.to(tl.float32), ACT) * up.to(tl.float32)
             else:
                 gate = to_storage(acc, out_dtype, MEND_BF16)
                 if STORE_PRE:
                     tl.store(pre_ptrs, gate, mask=mask)
-                h = _act(gate.to(tl.float32), ACT)
+                h = act(gate.to(tl.float32), ACT)
             tl.store(c_ptrs, to_storage(h, out_dtype, MEND_BF16), mask=mask)
         else:
             # dH is rounded to the storage dtype first (as a stored dH would be), which halves the
@@ -337,13 +313,13 @@ def _act_bwd_chunk(acc, g, up, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_c
     dh = acc * p[:, None]
     if GLU:
         up = up.to(tl.float32)
-        sig, silu = _silu_parts(g)
+        sig, silu = silu_parts(g)
         h = silu * up
         tl.store(pre_ptrs + N, to_storage(dh * silu, out_dtype, MEND_BF16), mask=mask)
         d_pre = dh * up * sig * (1.0 + g * (1.0 - sig))
     else:
-        h = _act(g, ACT)
-        d_pre = dh * _act_grad(g, ACT)
+        h = act(g, ACT)
+        d_pre = dh * act_grad(g, ACT)
     tl.store(pre_ptrs, to_storage(d_pre, out_dtype, MEND_BF16), mask=mask)
     tl.store(c_ptr + r64[:, None] * stride_cm + cols[None, :], to_storage(h * p[:, None], out_dtype, MEND_BF16),
              mask=mask)
@@ -500,9 +476,9 @@ def _warp_specialized(a, weight, out, plan, epilogue, activation, gather_a, tran
             raise ValueError(f"row_gemm(warp_specialize=True): {WS_REQUIREMENTS} (compute capability {cap}, "
                              f"gather_a={gather_a}, {a.dtype} A of shape {tuple(a.shape)})")
         return None
-    return ws_call(a, weight, out, plan, epilogue=epilogue, act=ACTIVATION_IDS[activation], glu=activation == "swiglu",
-                   pre=pre, store_pre=store_pre, probs_sorted=probs_sorted, ds_partial=ds_partial, n=n,
-                   sm_count=sm_count(device))
+    return ws_call(a, weight, out, plan, epilogue=epilogue, act_id=ACTIVATION_IDS[activation],
+                   glu=activation == "swiglu", pre=pre, store_pre=store_pre, probs_sorted=probs_sorted,
+                   ds_partial=ds_partial, n=n, sm_count=sm_count(device))
 
 
 def split_halves(halves, epilogue, activation, transpose_weight):

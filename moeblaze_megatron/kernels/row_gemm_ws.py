@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.language.core import _aggregate as aggregate
 
 from .configs import ACT_BWD_BLOCK_N
-from .row_gemm import _act, _act_grad, _silu_parts  # Triton functions: Gluon calls them as they are
+from .activations import act, act_grad, silu_parts  # Triton functions: Gluon calls them as they are
 
 # The Triton 3.6 name of the TMA load (3.8 calls it async_load).
 _tma_load = getattr(tma, "async_copy_global_to_shared", None) or tma.async_load
@@ -400,9 +400,9 @@ def _epilogue_fwd(p: _Problem, s: _Shared):
                 up = s.acc_buf.index(c + NC).load(layout)
                 if p.STORE_PRE:
                     gl.store(pre_ptrs + p.N, up, mask=mask)
-                h = _act(gate.to(gl.float32), p.ACT) * up.to(gl.float32)
+                h = act(gate.to(gl.float32), p.ACT) * up.to(gl.float32)
             else:
-                h = _act(gate.to(gl.float32), p.ACT)
+                h = act(gate.to(gl.float32), p.ACT)
             gl.store(p.c_ptr + r64[:, None] * p.stride_cm + cols[None, :], h.to(out_dtype), mask=mask)
         # Every chunk of the buffer is read: the main loop may hand over the next tile.
         mbarrier.arrive(s.acc_empty)
@@ -439,13 +439,13 @@ def _epilogue_bwd(p: _Problem, s: _Shared):
             dh = dh_raw * prob[:, None]
             if p.GLU:
                 upf = up.to(gl.float32)
-                sig, silu = _silu_parts(gf)
+                sig, silu = silu_parts(gf)
                 h = silu * upf
                 gl.store(pre_ptrs + p.N, (dh * silu).to(out_dtype), mask=mask)
                 d_pre = dh * upf * sig * (1.0 + gf * (1.0 - sig))
             else:
-                h = _act(gf, p.ACT)
-                d_pre = dh * _act_grad(gf, p.ACT)
+                h = act(gf, p.ACT)
+                d_pre = dh * act_grad(gf, p.ACT)
             gl.store(pre_ptrs, d_pre.to(out_dtype), mask=mask)
             gl.store(p.c_ptr + r64[:, None] * p.stride_cm + cols[None, :], (h * prob[:, None]).to(out_dtype),
                      mask=mask)
@@ -495,7 +495,8 @@ def row_gemm_ws_kernel(
     mbarrier.init(acc_empty, count=1)
 
     # Integers Triton specialized to constants (1) become tensors again: the aggregates hold tensors.
-    N, K, E, B_ROWS, UP_OFF = gl.to_tensor(N), gl.to_tensor(K), gl.to_tensor(E), gl.to_tensor(B_ROWS), gl.to_tensor(UP_OFF)
+    N, K, E = gl.to_tensor(N), gl.to_tensor(K), gl.to_tensor(E)
+    B_ROWS, UP_OFF = gl.to_tensor(B_ROWS), gl.to_tensor(UP_OFF)
     stride_am, stride_cm = gl.to_tensor(stride_am), gl.to_tensor(stride_cm)
     stride_pm, stride_dsm = gl.to_tensor(stride_pm), gl.to_tensor(stride_dsm)
     # The output columns one tile covers: the SwiGLU forward's tile is half gate, half up.
@@ -565,7 +566,7 @@ def ws_takes(a, weight, out, pre, epilogue, transpose_weight, capability) -> boo
                     and w.shape[1 if epilogue == EPI_ACT_BWD else 2] == k_dim for w in weights))
 
 
-def ws_call(a, weight, out, plan, *, epilogue, act, glu, pre, n, sm_count, store_pre=True, probs_sorted=None,
+def ws_call(a, weight, out, plan, *, epilogue, act_id, glu, pre, n, sm_count, store_pre=True, probs_sorted=None,
             ds_partial=None):
     """The ``KernelCall`` of ``row_gemm_ws_kernel`` for ``row_gemm``'s fused epilogues (the
     arguments are ``row_gemm_call``'s; ``ws_takes`` says which it takes): the activation forward
@@ -602,7 +603,7 @@ def ws_call(a, weight, out, plan, *, epilogue, act, glu, pre, n, sm_count, store
             plan.expert_token_indices, plan.expert_token_offsets, n, a.shape[1], num_experts, b_rows, up_off,
             a.stride(0), out.stride(0), pre.stride(0) if pre is not None else 0,
             ds_partial.stride(0) if ds_partial is not None else 0)
-    constexprs = dict(EPILOGUE=epilogue, ACT=act, GLU=glu, STORE_PRE=store_pre and pre is not None,
+    constexprs = dict(EPILOGUE=epilogue, ACT=act_id, GLU=glu, STORE_PRE=store_pre and pre is not None,
                       E_POW2=max(next_pow2(num_experts + 1), 16), **WS_TILE, EPILOGUE_WARPS=WS_EPILOGUE_WARPS,
                       EPILOGUE_REGS=WS_EPILOGUE_REGS, num_warps=WS_WARPS, maxnreg=WS_MAXNREG)
     return KernelCall(row_gemm_ws_kernel, (max(1, min(tiles, sm_count)),), args, constexprs)

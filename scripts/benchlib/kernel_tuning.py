@@ -167,8 +167,8 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
          lambda: (pre_plain,), nothing),
         # Diagnostic: dH's main loop in the warp-specialized kernel with a plain store for its epilogue.
         ("dh_ws_plain", gemm, "gluon",
-         lambda c: launch_call(ws_call(dy, fc2, dh_ws_plain, plan, epilogue=EPI_STORE, act=0, glu=False, pre=None, n=h,
-                                       sm_count=sm_count(dy.device))),
+         lambda c: launch_call(ws_call(dy, fc2, dh_ws_plain, plan, epilogue=EPI_STORE, act_id=0, glu=False, pre=None,
+                                       n=h, sm_count=sm_count(dy.device))),
          lambda: (dh_ws_plain,), nothing),
         ("dh_plain", gemm, "row",
          lambda c: row_gemm_with(c, dy, fc2, dh_plain, plan, transpose_weight=False, gather_a=True, n=h),

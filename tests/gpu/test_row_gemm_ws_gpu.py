@@ -99,7 +99,8 @@ def _act_fwd(plan, x, fc1, activation, n, store_pre, warp_specialize):
 
 
 @pytest.mark.parametrize("case", list(GPU_PERSISTENT_CASES))
-@pytest.mark.parametrize("activation,dtype,halves", [("swiglu", torch.bfloat16, False), ("swiglu", torch.bfloat16, True),
+@pytest.mark.parametrize("activation,dtype,halves", [("swiglu", torch.bfloat16, False),
+                                                     ("swiglu", torch.bfloat16, True),
                                                      ("gelu", torch.float16, False), ("silu", torch.bfloat16, False)])
 def test_warp_specialized_act_fwd_matches_triton_and_float64(case, activation, dtype, halves):
     kind, tokens, E, K, d, h = GPU_PERSISTENT_CASES[case]

@@ -77,13 +77,13 @@ def test_which_act_fwd_launches_it_takes():
 def test_the_launch_names_the_tile_the_partials_are_sized_for():
     plan, dy, fc2, out, pre, probs, _ = _tensors(h=320)
     ds = torch.empty(pre.shape[0], 2)  # one partial per 256-column tile, as on the GPU
-    call = ws_call(dy, fc2, out, plan, epilogue=EPI_ACT_BWD, act=0, glu=True, pre=pre, probs_sorted=probs,
+    call = ws_call(dy, fc2, out, plan, epilogue=EPI_ACT_BWD, act_id=0, glu=True, pre=pre, probs_sorted=probs,
                    ds_partial=ds, n=320, sm_count=132)
     assert call.kernel is row_gemm_ws_kernel
     # The Triton kernel's activation-backward tile width: the partials have one layout either way.
     assert call.constexprs["BLOCK_N"] == ACT_BWD_BLOCK_N
     with pytest.raises(ValueError, match="ds_partial must have at least 2 columns"):
-        ws_call(dy, fc2, out, plan, epilogue=EPI_ACT_BWD, act=0, glu=True, pre=pre, probs_sorted=probs,
+        ws_call(dy, fc2, out, plan, epilogue=EPI_ACT_BWD, act_id=0, glu=True, pre=pre, probs_sorted=probs,
                 ds_partial=ds[:, :1], n=320, sm_count=132)
     # 12 warps at the register count that fills a multiprocessor; one program per tile at most.
     assert (call.constexprs["num_warps"] + call.constexprs["EPILOGUE_WARPS"]) * 32 * call.constexprs["maxnreg"] <= 65536
@@ -97,9 +97,9 @@ def test_the_launch_names_the_tile_the_partials_are_sized_for():
 def test_the_swiglu_forward_tile_is_half_gate_half_up():
     plan, x, _, out, pre, _, _ = _tensors(h=320)
     fc1 = torch.randn(4, 640, 128).to(torch.bfloat16)
-    stacked = ws_call(x, fc1, out, plan, epilogue=EPI_ACT_FWD, act=0, glu=True, pre=pre, n=320, sm_count=132)
+    stacked = ws_call(x, fc1, out, plan, epilogue=EPI_ACT_FWD, act_id=0, glu=True, pre=pre, n=320, sm_count=132)
     w1, w3 = fc1[:, :320].contiguous(), fc1[:, 320:].contiguous()
-    halves = ws_call(x, (w1, w3), out, plan, epilogue=EPI_ACT_FWD, act=0, glu=True, pre=pre, n=320, sm_count=132)
+    halves = ws_call(x, (w1, w3), out, plan, epilogue=EPI_ACT_FWD, act_id=0, glu=True, pre=pre, n=320, sm_count=132)
     # (a, b_desc, b2_desc, ..., n, K, E, rows of the weight per expert, the up rows' offset in them, ...)
     assert stacked.args[1] is stacked.args[2] and stacked.args[12:14] == (640, 320)
     assert halves.args[1].base.data_ptr() == w1.data_ptr() and halves.args[2].base.data_ptr() == w3.data_ptr()
