@@ -52,7 +52,6 @@ __all__ = [
 ]
 
 
-
 @triton.jit
 def _row_tiles(offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
     """The number of row tiles over all experts' rows."""
