@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
-from .configs import ACT_BWD_BLOCK_N
+from .configs import ACT_BWD_BLOCK_N, EPI_ACT_BWD, EPI_ACT_FWD, EPI_STORE  # EPI_STORE: a diagnostic here
 from .activations import act, act_grad, silu_parts  # Triton functions: Gluon calls them as they are
 
 # The Triton 3.6 name of the TMA load (3.8 calls it async_load).
@@ -524,7 +524,6 @@ WS_EPILOGUE_WARPS = 4
 WS_MAXNREG = 168
 WS_EPILOGUE_REGS = 168
 WS_DTYPES = ("torch.bfloat16", "torch.float16")
-EPI_STORE, EPI_ACT_FWD, EPI_ACT_BWD = 0, 1, 2  # row_gemm_kernel's numbering (EPI_STORE: a diagnostic here)
 
 
 def _smem_layout(block, dtype):
