@@ -20,6 +20,7 @@ identical plan: "grouped by expert, token ids ascending" fixes every position.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -215,6 +216,8 @@ def choose_routing_method(topk_ids: torch.Tensor, num_experts: int) -> str:
     return "torch"
 
 
+# Kept per shape: the answer is fixed, and its imports and arithmetic come before the first kernel.
+@functools.lru_cache(maxsize=1024)
 def gpu_routing_method(num_tokens: int, num_experts: int, topk: int) -> str:
     """The three-step build where its predicted GPU time is at most the sort's and topk is within
     its MAX_TOPK; the sort otherwise (cost model above)."""

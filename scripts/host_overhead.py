@@ -8,8 +8,12 @@ direct launches (kernels/launch.py) and through Triton's own launch path (KNOBS.
 off, as MOEBLAZE_DIRECT_LAUNCH=0 sets it), interleaved; then of every launch site called on its
 own (the plan, each GEMM, the combine), of fc1's launch through each layer under it (Triton's
 path, a fixed config, pointer loads instead of the TMA descriptor, the compiled kernel called
-with nothing around it) and of a few reference calls (an empty Triton kernel, a torch op). Last,
-the step under cProfile: the functions with the most cumulative time.
+with nothing around it) and of a few reference calls (an empty Triton kernel, torch ops,
+autograd's Function.apply). Then the step under cProfile (the functions with the most cumulative
+time), the forward under it (the most own time), the host's lead (the step from an idle GPU
+behind spins of growing length: the step's time, less the spin's, stops falling once the spin
+covers the host's time to its first launches) and a launch timeline of one step from an idle
+GPU (each launch's host and GPU time, and the entry and exit of the functions on the way).
 """
 
 from __future__ import annotations
@@ -36,10 +40,18 @@ def main(argv=None):
 
     results = {}
     for cfg in configs:
-        costs, profile = site_costs(cfg)
-        results[cfg] = dict(host_us=costs, cprofile_cumulative=profile)
+        costs, profiles = site_costs(cfg)
+        results[cfg] = dict(host_us=costs, cprofile_cumulative=profiles["step_cumulative"],
+                            cprofile_forward_own=profiles["forward_own"], lead_sweep_ms=profiles["lead_sweep"],
+                            launch_timeline=profiles["launch_timeline"])
         print(f"== {cfg}: cProfile, cumulative ms per step (profiled)")
-        print("\n".join(profile))
+        print("\n".join(profiles["step_cumulative"]))
+        print(f"== {cfg}: cProfile, own ms per forward (profiled)")
+        print("\n".join(profiles["forward_own"]))
+        print(f"== {cfg}: step ms from an idle GPU behind a spin, the spin's own time taken out")
+        print("  ".join(f"{spin} ms: {ms:.3f}" for spin, ms in profiles["lead_sweep"].items()))
+        print(f"== {cfg}: each launch of a step from an idle GPU, ms after the step began (median)")
+        print("\n".join(profiles["launch_timeline"]))
     print(f"== host microseconds per call, GPU busy (median); torch {torch.__version__}, Triton {triton.__version__}")
     print("\n".join(table_lines(results)))
     if args.out:

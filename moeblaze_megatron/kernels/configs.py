@@ -15,7 +15,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .knobs import KNOBS
-from .launch import gpu_of
+from .launch import box_hook, gpu_of
 
 EPI_STORE, EPI_ACT_FWD, EPI_ACT_BWD = 0, 1, 2
 ACT_SWIGLU, ACT_SILU, ACT_GELU = 0, 1, 2
@@ -32,6 +32,7 @@ ACT_BWD_BLOCK_N = 256
 TMA_ROWS_MIN_FLOPS = 2**37
 
 
+@box_hook
 def set_row_gemm_boxes(nargs):
     """Config pre-hook: each descriptor's box is the config's tile of its operand: the weight's
     (each half's, for a weight in two tensors), and, for rows in expert order (ragged, led by
@@ -130,6 +131,7 @@ def prune_row_gemm(configs, named_args, **kwargs):
     return keep or configs[-1:]
 
 
+@box_hook
 def set_tma_box(nargs):
     """Config pre-hook: a ragged descriptor's box is the config's tile, [1, 1, BLOCK_K, width]."""
     for name, width in (("a_ptr", "BLOCK_M"), ("b_ptr", "BLOCK_N")):
@@ -215,3 +217,21 @@ def ragged_tma_takes(ordered, rows_total: int) -> bool:
     """Whether a ragged TMA descriptor can take ``ordered``: as ``tma_takes``, and at most 2**30
     rows (the ragged descriptor's row coordinates)."""
     return rows_total <= 2**30 and tma_takes(ordered)
+
+
+# Descriptor layouts Triton's checks passed (alignment, dtype, shape, strides, box): those checks
+# cost a launch more host time than the descriptor itself (benchmarks/NOTES.md, v23).
+_checked_layouts: set = set()
+
+
+def tma_descriptor(t, box) -> TensorDescriptor:
+    """``TensorDescriptor.from_tensor(t, box)``, with Triton's checks run once per layout."""
+    shape, strides = t.shape, t.stride()
+    layout = (t.data_ptr() % 16, t.dtype, tuple(shape), strides, tuple(box))
+    if layout not in _checked_layouts:
+        TensorDescriptor.from_tensor(t, list(box))  # raises where Triton would
+        _checked_layouts.add(layout)
+    desc = object.__new__(TensorDescriptor)  # the other fields keep their class defaults
+    desc.base, desc.shape, desc.strides, desc.block_shape = t, shape, strides, list(box)
+    return desc
+

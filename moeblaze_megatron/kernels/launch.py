@@ -98,6 +98,14 @@ def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def _signature(args) -> tuple:
+    """``_arg_key`` of every argument, the common types inline (a launch has up to ~25)."""
+    # Read here, not at import: the compile workers import this module with torch stubbed out.
+    tensor, parameter = torch.Tensor, torch.nn.Parameter
+    return tuple([(a.dtype, not a.data_ptr() & 15) if type(a) is tensor or type(a) is parameter
+                  else a if type(a) is int else _arg_key(a) for a in args])
+
+
 def _arg_key(arg):
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
@@ -113,14 +121,81 @@ def _arg_key(arg):
 
 def _hooks_set() -> bool:
     runtime = triton.knobs.runtime
-    return any(hook is not None and bool(getattr(hook, "calls", True))
-               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    return _hook_on(runtime.launch_enter_hook) or _hook_on(runtime.launch_exit_hook)
+
+
+def _hook_on(hook) -> bool:
+    # Triton 3.6 on: a HookChain, set when it holds calls; before, a callable or None.
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def box_hook(fn):
+    """Marks a config pre-hook that only sizes TMA boxes (``block_shape``): the compiled kernel
+    holds its boxes, so a direct call, which compiles nothing, skips it."""
+    fn.only_sizes_boxes = True
+    return fn
+
+
+# Filled TMA descriptors kept per launch position (Triton 3.6's own expansion fills one per
+# launch): a weight's is the same every step. A fill is a pure function of what keys it.
+MAX_FILLED = 64
+
+
+class _RawLaunch(NamedTuple):
+    """What Triton 3.6's CUDA launcher does in Python around its C launch, done here with less
+    host time: the C launch, the cooperative and PDL flags, and per TMA descriptor parameter its
+    index, its compiled metadata and the descriptors filled for it (``_filled``)."""
+
+    launch: object
+    cooperative: object
+    pdl: object
+    descriptors: tuple
+
+
+def _raw_launch(launcher) -> _RawLaunch | None:
+    """``launcher``'s (a compiled kernel's ``run``) C launch and descriptor expansion where it is
+    Triton 3.6's CUDA launcher (backends/nvidia/driver.py: ``__call__(gridX, gridY, gridZ,
+    stream, function, *args)`` over ``launch``, the C function or its ``inner`` descriptor
+    wrapper) with no scratch memory and one CTA per program; None otherwise, and the launcher
+    then runs as it is (other Triton versions, other kernels)."""
+    call = getattr(type(launcher), "__call__", None)
+    inner = getattr(launcher, "launch", None)
+    if (getattr(call, "__code__", None) is None or call.__code__.co_argcount != 6 or inner is None
+            or getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1)
+            or getattr(launcher, "num_ctas", 2) != 1):
+        return None
+    flags = launcher.launch_cooperative_grid, launcher.launch_pdl
+    code = getattr(inner, "__code__", None)
+    if code is None:  # no descriptor parameters: the C launch itself
+        return _RawLaunch(inner, *flags, ()) if type(inner).__name__ == "builtin_function_or_method" else None
+    if (inner.__name__ != "inner" or inner.__closure__ is None
+            or set(code.co_freevars) != {"launcher", "tensordesc_indices", "tensordesc_meta"}):
+        return None
+    cells = {name: cell.cell_contents for name, cell in zip(code.co_freevars, inner.__closure__)}
+    indices, metas = sorted(cells["tensordesc_indices"]), cells["tensordesc_meta"]
+    if len(metas) != len(indices) or any(meta is None for meta in metas):
+        return None
+    return _RawLaunch(cells["launcher"], *flags, tuple((index, meta, {}) for index, meta in zip(indices, metas)))
+
+
+def _filled(desc, meta, kept):
+    """[TMA map, *shape, *strides] of descriptor ``desc`` as Triton 3.6 passes it, from ``kept``
+    where the same descriptor was filled before."""
+    key = (desc.base.data_ptr(), *desc.shape, *desc.strides, desc.padding)
+    hit = kept.get(key)
+    if hit is None:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        if len(kept) >= MAX_FILLED:
+            kept.clear()
+        hit = kept[key] = tuple(make_tensordesc_arg(desc, meta))
+    return hit
 
 
 class _Entry:
     """One argument signature's compiled kernel, launched without Triton's binding and lookups."""
 
-    __slots__ = ("function", "kwargs", "metadata", "names", "pre_hook", "run", "tail")
+    __slots__ = ("function", "kwargs", "metadata", "name", "names", "pre_hook", "raw", "run", "tail")
 
     def __init__(self, kernel, compiled, num_args, constexprs):
         if isinstance(kernel, _OneConfig):
@@ -131,12 +206,17 @@ class _Entry:
             config, fn = None, kernel
         self.kwargs = {**constexprs, **(config.all_kwargs() if config is not None else {})}
         self.names = fn.arg_names
+        self.name = fn.__name__
         # The compiled launcher takes every parameter in order, constexprs included.
         params = fn.signature.parameters
         self.tail = tuple(self.kwargs[name] if name in self.kwargs else params[name].default
                           for name in self.names[num_args:])
-        self.pre_hook = config.pre_hook if config is not None else None
+        hook = config.pre_hook if config is not None else None
+        self.pre_hook = None if getattr(hook, "only_sizes_boxes", False) else hook
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
+        # Gluon kernels (the warp-specialized GEMM, off by default) keep Triton's launcher: the
+        # raw launch is checked on the GPU for Triton kernels only (tests/gpu, bitwise).
+        self.raw = None if _compiles_in_process(fn) else _raw_launch(compiled.run)
 
     def __call__(self, grid, args, device):
         if self.pre_hook is not None:
@@ -147,7 +227,17 @@ class _Entry:
         grid = (*grid, 1, 1)
         # What Triton's launch takes the stream from (torch.cuda.current_stream() costs more host time).
         stream = torch._C._cuda_getCurrentRawStream(device)
-        self.run(grid[0], grid[1], grid[2], stream, self.function, self.metadata, None, None, None, *args, *self.tail)
+        raw = self.raw
+        if raw is None:
+            self.run(grid[0], grid[1], grid[2], stream, self.function, self.metadata, None, None, None, *args,
+                     *self.tail)
+            return
+        params = [*args, *self.tail]
+        for index, meta, kept in reversed(raw.descriptors):  # from the back: indices stay valid
+            params[index:index + 1] = _filled(params[index], meta, kept)
+        # Triton's arguments: no scratch, no launch metadata, no hooks (launch() checked).
+        raw.launch(grid[0], grid[1], grid[2], stream, self.function, raw.cooperative, raw.pdl, None, None,
+                   self.metadata, None, None, None, *params)
 
 
 class KernelCall(NamedTuple):
@@ -177,7 +267,7 @@ def launch(kernel, grid, args, constexprs):
         _through_triton(*_one_config(kernel, args, constexprs), grid, args)
         return
     device = torch.cuda.current_device()
-    key = (kernel, device, tuple(map(_arg_key, args)), tuple(constexprs.items()))
+    key = (kernel, device, _signature(args), tuple(constexprs.items()))
     entry = _entries.get(key)
     if entry is not None:
         entry(grid, args, device)

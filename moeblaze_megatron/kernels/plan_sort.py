@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .launch import cdiv, launch
+from .plan_three_step import plan_tensors
 
 # Sorted positions (and slots) per scatter program.
 BLOCK = 1024
@@ -111,10 +112,8 @@ def sort_routing_plan(topk_ids: torch.Tensor, num_experts: int):
     keys = torch.empty(n, dtype=key_dtype, device=device)
     torch.bitwise_and(topk_ids, torch.iinfo(key_dtype).max, out=keys.view(num_tokens, topk))
     sorted_keys, slots = torch.sort(keys, stable=True)
-    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
-    expert_token_indices = torch.empty(n, dtype=torch.int32, device=device)
-    token_expert_indices = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
-    token_index_map = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
+    expert_token_indices, offsets, token_expert_indices, token_index_map = plan_tensors(
+        num_tokens, topk, num_experts, device)
     num_search = cdiv(num_experts + 1, SEARCH_BLOCK_E)
     launch(_sort_plan_kernel, (num_search + cdiv(n, BLOCK),),
            (keys, sorted_keys, slots, expert_token_indices, offsets, token_expert_indices, token_index_map,

@@ -15,10 +15,13 @@ each program of the first expert block fills the part of the tail that lies in i
 
 Why step (b) is split this way: one prefix sum over all E * num_tiles counts must run in a single
 program (programs have no barrier without atomics), and that one sequential pass over E * num_tiles
-counts made the build no faster than an argsort at many experts (benchmarks/NOTES.md). The scan over tiles is independent per expert, so it runs as E programs of
-num_tiles counts each (one 4K-wide block up to T = 2M); what still crosses experts is a prefix
-over only E totals, which every scatter program recomputes from L2 for less than a fourth launch
-would cost. Likewise the -1 tail (up to T*K slots) is filled by many programs, not by one.
+counts made the build no faster than an argsort at many experts (benchmarks/NOTES.md). The scan
+over tiles is independent per expert, so it runs as E programs of num_tiles counts each (one
+4K-wide block up to T = 2M); what still crosses experts is a prefix over only E totals, which
+every scatter program recomputes from L2 for less than a fourth launch would cost. Likewise the
+-1 tail (up to T*K slots) is filled by many programs, not by one. Small plans (at most
+FOLD_CELLS tile counts, E * num_tiles) skip step (b): each scatter program reads all the counts
+and scans what it needs itself, one launch fewer.
 
 Tiles hold BLOCK_E x BLOCK_T = 8192 cells; below 16 experts the expert block narrows to the expert
 count rounded up to a power of two (at least 2) and the token tile widens, so fewer lanes idle
@@ -42,6 +45,13 @@ TILE_CELLS = BLOCK_E * BLOCK_T
 # time (both loop past them).
 SCAN_BLOCK = 4096
 TOTALS_BLOCK = 1024
+# Step (b) folded into (c) for plans of at most this many tile counts (E * num_tiles; every shape
+# of bench_layer.py): each scatter program then reads all the counts itself (32 KB at most, from
+# L2), which costs the GPU about what the launch it saves does, and saves that launch's host time
+# (the GPU waits on the host before a layer's first GEMM). FOLD_ROWS x the counts' power-of-two
+# width is one load of the fold.
+FOLD_CELLS = 8192
+FOLD_LOAD = 4096
 # The dense map holds k + 1 in an int8.
 MAX_TOPK = 126
 
@@ -92,24 +102,52 @@ def _tile_offsets_kernel(tile_counts_ptr, expert_totals_ptr, num_tiles, BLOCK: t
 
 
 @triton.jit
+def _folded_scan(tile_counts_ptr, E, num_tiles, pid_t, e, e_first, TILES: tl.constexpr, ROWS: tl.constexpr):
+    """Step (b) from the raw tile counts [E, num_tiles] (TILES >= num_tiles, a power of two):
+    the used slots of the experts before ``e_first``, of all experts, and per expert of ``e``
+    its total and its slots in the tiles before ``pid_t``."""
+    j = tl.arange(0, TILES)
+    j_ok = j < num_tiles
+    before = tl.zeros((), dtype=tl.int32)
+    used = tl.zeros((), dtype=tl.int32)
+    for start in range(0, E, ROWS):
+        r = start + tl.arange(0, ROWS)
+        c = tl.load(tile_counts_ptr + r[:, None] * num_tiles + j[None, :], mask=(r < E)[:, None] & j_ok[None, :],
+                    other=0)
+        per_expert = tl.sum(c, axis=1)
+        before += tl.sum(tl.where(r < e_first, per_expert, 0), axis=0)
+        used += tl.sum(per_expert, axis=0)
+    c = tl.load(tile_counts_ptr + e[:, None] * num_tiles + j[None, :], mask=(e < E)[:, None] & j_ok[None, :], other=0)
+    return before, used, tl.sum(c, axis=1), tl.sum(tl.where(j[None, :] < pid_t, c, 0), axis=1)
+
+
+@triton.jit
 def _scatter_kernel(
     dense_ptr, tile_base_ptr, expert_totals_ptr, offsets_ptr, expert_token_indices_ptr,
     token_index_map_ptr, token_expert_indices_ptr, T, E, num_tiles, num_eblocks,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, TOTALS_BLOCK: tl.constexpr,
+    FOLD_TILES: tl.constexpr, FOLD_ROWS: tl.constexpr,
 ):
+    """Step (c); with FOLD_TILES (0: step (b) ran) ``tile_base_ptr`` holds the raw tile counts
+    and the program scans them itself (``_folded_scan``)."""
     pid_t, pid_e = _tile_of_program(num_eblocks)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < E
-    # Slots before this block's experts, and all used slots.
-    before = tl.zeros((), dtype=tl.int32)
-    used = tl.zeros((), dtype=tl.int32)
-    for start in range(0, E, TOTALS_BLOCK):
-        i = start + tl.arange(0, TOTALS_BLOCK)
-        c = tl.load(expert_totals_ptr + i, mask=i < E, other=0)
-        before += tl.sum(tl.where(i < pid_e * BLOCK_E, c, 0), axis=0)
-        used += tl.sum(c, axis=0)
-    totals = tl.load(expert_totals_ptr + e, mask=e_ok, other=0)
+    if FOLD_TILES:
+        before, used, totals, tile_base = _folded_scan(tile_base_ptr, E, num_tiles, pid_t, e, pid_e * BLOCK_E,
+                                                       FOLD_TILES, FOLD_ROWS)
+    else:
+        # Slots before this block's experts, and all used slots.
+        before = tl.zeros((), dtype=tl.int32)
+        used = tl.zeros((), dtype=tl.int32)
+        for start in range(0, E, TOTALS_BLOCK):
+            i = start + tl.arange(0, TOTALS_BLOCK)
+            c = tl.load(expert_totals_ptr + i, mask=i < E, other=0)
+            before += tl.sum(tl.where(i < pid_e * BLOCK_E, c, 0), axis=0)
+            used += tl.sum(c, axis=0)
+        totals = tl.load(expert_totals_ptr + e, mask=e_ok, other=0)
+        tile_base = tl.load(tile_base_ptr + e * num_tiles + pid_t, mask=e_ok, other=0)
     expert_start = before + tl.cumsum(totals, axis=0) - totals
     tl.store(offsets_ptr + e, expert_start, mask=e_ok & (pid_t == 0))
     tl.store(offsets_ptr + E, used, mask=(pid_t == 0) & (pid_e == 0))
@@ -124,12 +162,22 @@ def _scatter_kernel(
     cell = tl.load(dense_ptr + e[:, None].to(tl.int64) * T + t[None, :], mask=both, other=0).to(tl.int32)
     marked = cell > 0
     rank = tl.cumsum(marked.to(tl.int32), axis=1)
-    base = expert_start + tl.load(tile_base_ptr + e * num_tiles + pid_t, mask=e_ok, other=0)
+    base = expert_start + tile_base
     pos = base[:, None] + rank - 1
     tl.store(expert_token_indices_ptr + pos, (t[None, :] + 0 * e[:, None]), mask=marked)
     slot = t[None, :].to(tl.int64) * K + (cell - 1)
     tl.store(token_index_map_ptr + slot, pos, mask=marked)
     tl.store(token_expert_indices_ptr + slot, (e[:, None] + 0 * t[None, :]), mask=marked)
+
+
+def plan_tensors(num_tokens: int, topk: int, num_experts: int, device):
+    """The plan's four int32 tensors, unwritten: expert_token_indices [T*K], offsets [E+1],
+    token_expert_indices and token_index_map [T, K] (four allocations: one shared by all would
+    keep every part alive while any one is)."""
+    return (torch.empty(num_tokens * topk, dtype=torch.int32, device=device),
+            torch.empty(num_experts + 1, dtype=torch.int32, device=device),
+            torch.empty(num_tokens, topk, dtype=torch.int32, device=device),
+            torch.empty(num_tokens, topk, dtype=torch.int32, device=device))
 
 
 def three_step_routing_plan(topk_ids: torch.Tensor, num_experts: int):
@@ -139,27 +187,32 @@ def three_step_routing_plan(topk_ids: torch.Tensor, num_experts: int):
         raise ValueError(f"the three-step build supports topk <= {MAX_TOPK}, got {topk}; use method='sort'")
     device = topk_ids.device
     topk_ids = topk_ids.contiguous()
-    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
-    expert_token_indices = torch.empty(num_tokens * topk, dtype=torch.int32, device=device)
-    token_index_map = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
-    token_expert_indices = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
+    expert_token_indices, offsets, token_expert_indices, token_index_map = plan_tensors(
+        num_tokens, topk, num_experts, device)
     # Narrow the expert block to the expert count (at least 2 rows) and widen the tile to match.
     block_e = min(BLOCK_E, max(next_pow2(num_experts), 2))
     block_t = TILE_CELLS // block_e
     num_tiles = max(cdiv(num_tokens, block_t), 1)
     num_eblocks = cdiv(num_experts, block_e)
     dense = torch.empty(num_experts, num_tokens, dtype=torch.int8, device=device)
-    # Tile counts, turned into tile bases in place by step (b), then the E expert totals.
-    scratch = torch.empty(num_experts * (num_tiles + 1), dtype=torch.int32, device=device)
-    tile_counts, expert_totals = scratch[: num_experts * num_tiles], scratch[num_experts * num_tiles :]
+    fold = num_experts * num_tiles <= FOLD_CELLS
+    if fold:  # step (c) scans the counts: no totals
+        tile_counts = expert_totals = torch.empty(num_experts * num_tiles, dtype=torch.int32, device=device)
+    else:
+        # Tile counts, turned into tile bases in place by step (b), then the E expert totals.
+        scratch = torch.empty(num_experts * (num_tiles + 1), dtype=torch.int32, device=device)
+        tile_counts, expert_totals = scratch[: num_experts * num_tiles], scratch[num_experts * num_tiles :]
     grid = (num_tiles * num_eblocks,)
     launch(_dense_map_kernel, grid, (topk_ids, dense, tile_counts, token_index_map, token_expert_indices,
                                      num_tokens, num_experts, num_tiles, num_eblocks),
            dict(K=topk, BLOCK_T=block_t, BLOCK_E=block_e))
-    scan_block = min(SCAN_BLOCK, max(next_pow2(num_tiles), 128))
-    launch(_tile_offsets_kernel, (num_experts,), (tile_counts, expert_totals, num_tiles), dict(BLOCK=scan_block))
+    fold_tiles = next_pow2(num_tiles) if fold else 0
+    if not fold:
+        scan_block = min(SCAN_BLOCK, max(next_pow2(num_tiles), 128))
+        launch(_tile_offsets_kernel, (num_experts,), (tile_counts, expert_totals, num_tiles), dict(BLOCK=scan_block))
     launch(_scatter_kernel, grid, (dense, tile_counts, expert_totals, offsets, expert_token_indices, token_index_map,
                                    token_expert_indices, num_tokens, num_experts, num_tiles, num_eblocks),
            dict(K=topk, BLOCK_T=block_t, BLOCK_E=block_e,
-                TOTALS_BLOCK=min(next_pow2(num_experts), TOTALS_BLOCK)))
+                TOTALS_BLOCK=min(next_pow2(num_experts), TOTALS_BLOCK), FOLD_TILES=fold_tiles,
+                FOLD_ROWS=max(FOLD_LOAD // max(fold_tiles, 1), 1)))
     return expert_token_indices, offsets, token_expert_indices, token_index_map

@@ -23,7 +23,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged, to_ragged_indices
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activations import act, act_grad, silu_parts
 from .configs import (
@@ -40,6 +39,7 @@ from .configs import (
     ragged_tma_takes,
     row_gemm_configs,
     sm_count,
+    tma_descriptor,
     tma_takes,
 )
 from .knobs import KNOBS
@@ -404,18 +404,18 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
         # The box is the first config's weight tile; the configs' pre-hook resizes it to each one's.
         kw = row_gemm_kernel.configs[0].kwargs
         if epilogue == EPI_ACT_FWD and activation == "swiglu" and not split:
-            b = TensorDescriptor.from_tensor(weight.view(num_experts, 2, n, k_dim), [1, 2, kw["BLOCK_N"], kw["BLOCK_K"]])
+            b = tma_descriptor(weight.view(num_experts, 2, n, k_dim), (1, 2, kw["BLOCK_N"], kw["BLOCK_K"]))
         else:
-            box = [1, kw["BLOCK_N"], kw["BLOCK_K"]] if transpose_weight else [1, kw["BLOCK_K"], kw["BLOCK_N"]]
-            b = TensorDescriptor.from_tensor(weight, box)
-            b2 = TensorDescriptor.from_tensor(up, box) if split else b
+            box = (1, kw["BLOCK_N"], kw["BLOCK_K"]) if transpose_weight else (1, kw["BLOCK_K"], kw["BLOCK_N"])
+            b = tma_descriptor(weight, box)
+            b2 = tma_descriptor(up, box) if split else b
     if transpose_weight:
         stride_bk, stride_bn = weight.stride(2), weight.stride(1)
     else:
         stride_bk, stride_bn = weight.stride(1), weight.stride(2)
     # The descriptor's bounds stand in for the column mask: only the n columns the kernel writes.
-    c_rows = out[:, :n]
-    rows_take = (epilogue == EPI_STORE and not gather_a and rows_total > 0
+    c_rows = out[:, :n] if epilogue == EPI_STORE and not gather_a else None
+    rows_take = (c_rows is not None and rows_total > 0
                  and ragged_tma_takes(a, rows_total) and ragged_tma_takes(c_rows, rows_total))
     if tma_rows is None:
         tma_rows = rows_take and 2 * rows_total * n * k_dim >= TMA_ROWS_MIN_FLOPS

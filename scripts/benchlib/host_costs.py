@@ -1,11 +1,14 @@
 """Host time of each launch in a moeblaze layer step, with the GPU kept busy so the host never
 waits (scripts/host_overhead.py): the step with direct launches and through Triton's own launch
 path, every launch site on its own, fc1's launch through each layer under it, a few reference
-calls, and the step under cProfile."""
+calls, the step under cProfile, the host's lead from an idle GPU and a launch timeline."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import statistics
+import sys
 import time
 
 import torch
@@ -16,6 +19,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels.combine import combine
 from moeblaze_megatron.kernels.knobs import KNOBS
+from moeblaze_megatron.kernels.launch import launch_call
+from moeblaze_megatron.kernels.plan_three_step import plan_tensors, three_step_routing_plan
 from moeblaze_megatron.kernels.row_gemm import EPI_ACT_FWD, expert_order_gemm, row_gemm, row_gemm_call, row_gemm_kernel
 from moeblaze_megatron.kernels.row_gemm_ws import on_hopper
 from moeblaze_megatron.kernels.tuning import row_gemm_with
@@ -31,6 +36,18 @@ from .timing import host_us
 @triton.jit
 def _empty_kernel(x_ptr, n, BLOCK: tl.constexpr):
     pass
+
+
+class _NoOp(torch.autograd.Function):
+    """An autograd Function taking the op's seven arguments and doing nothing: its own host cost."""
+
+    @staticmethod
+    def forward(ctx, x, *rest):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, *([None] * 6)
 
 
 def host_ab(fn, reps):
@@ -75,6 +92,133 @@ def direct_launch(kernel, grid, args, constexprs):
         compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *values)
 
     return launch
+
+
+# Spins before a step (ms): long enough ones hide the host's lead (the time to its first launches).
+LEAD_SPINS_MS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8)
+
+
+def lead_sweep(step, reps=30):
+    """The step from an idle GPU behind spins of LEAD_SPINS_MS: {spin ms: (step ms after the spin's
+    own time, measured alone)}. Past the host's lead (the time until the launches keep the GPU
+    busy) the step's own time stops falling: that spin is the lead, that time the GPU's."""
+    def timed(fn):
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    cycles_per_ms = torch.cuda.get_device_properties(0).clock_rate  # kHz: cycles per ms
+    out = {}
+    for spin in LEAD_SPINS_MS:
+        cycles = int(spin * cycles_per_ms)
+        alone = timed(lambda: torch.cuda._sleep(cycles)) if cycles else 0.0
+
+        def spun():
+            if cycles:
+                torch.cuda._sleep(cycles)
+            step()
+
+        out[f"{spin:g}"] = round(timed(spun) - alone, 4)
+    return out
+
+
+# Functions whose entry and exit the launch timeline marks (module, name; "Class.method" for a
+# static method): the host path from the step's start to its launches.
+TIMELINE_MARKS = (
+    ("moeblaze_megatron.moe_mlp", "moe_mlp"), ("moeblaze_megatron.moe_mlp", "check_moe_mlp_args"),
+    ("moeblaze_megatron.routing", "build_routing_plan"), ("moeblaze_megatron.routing", "_prefetch_plan_kernels"),
+    ("moeblaze_megatron.kernels.plan_three_step", "three_step_routing_plan"),
+    ("moeblaze_megatron.fused", "TritonMoEMLP.forward"), ("moeblaze_megatron.fused", "TritonMoEMLP.backward"),
+    ("moeblaze_megatron.fused", "prefetch_layer_kernels"), ("moeblaze_megatron.fused", "fused_forward"),
+    ("moeblaze_megatron.fused", "fused_backward"), ("moeblaze_megatron.kernels.row_gemm", "row_gemm_call"),
+    ("moeblaze_megatron.kernels.combine", "combine"), ("moeblaze_megatron.kernels.launch", "launch"),
+)
+
+
+@contextlib.contextmanager
+def _marked(marks, record):
+    """Inside the block each function of ``marks`` calls ``record(name, "enter"|"exit")`` around
+    its body, wherever a module of the package (or the bench library) holds it by name."""
+    undo = []
+    for module_name, qualname in marks:
+        module = importlib.import_module(module_name)
+        owner_name, _, attr = qualname.rpartition(".")
+        owner = getattr(module, owner_name) if owner_name else module
+        original = owner.__dict__[attr]
+        fn = original.__func__ if isinstance(original, staticmethod) else original
+
+        def wrapper(*args, __fn=fn, __name=qualname, **kwargs):
+            record(__name, ">")
+            try:
+                return __fn(*args, **kwargs)
+            finally:
+                record(__name, "<")
+
+        if owner_name:
+            undo.append((owner, attr, original))
+            setattr(owner, attr, staticmethod(wrapper))
+            continue
+        for mod in list(sys.modules.values()):
+            name = getattr(mod, "__name__", "") or ""
+            if name.startswith(("moeblaze_megatron", "benchlib")) and getattr(mod, attr, None) is fn:
+                undo.append((mod, attr, fn))
+                setattr(mod, attr, wrapper)
+    try:
+        yield
+    finally:
+        for owner, attr, original in reversed(undo):
+            setattr(owner, attr, original)
+
+
+def launch_timeline(step, reps=9):
+    """One step from an idle GPU (the median of ``reps`` steps), as a list of rows: each direct
+    launch (the kernel, when the host reached it and when the GPU did: an event recorded just
+    before it, on an idle GPU the host's submit, on a busy one the previous kernel's end) and the
+    entry (>) and exit (<) of each function of TIMELINE_MARKS, ms after the step began. Where
+    host and GPU times are close the GPU waits on the host."""
+    from moeblaze_megatron.kernels import launch as launch_module
+
+    entry_call = launch_module._Entry.__call__
+    runs = []
+
+    def recorded(self, grid, args, device):
+        reached = time.perf_counter()  # before the event's own host time
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        runs[-1].append((self.name, reached, event))
+        entry_call(self, grid, args, device)
+
+    def record(name, edge):
+        runs[-1].append((f"  {edge} {name}", time.perf_counter(), None))
+
+    launch_module._Entry.__call__ = recorded
+    try:
+        with _marked(TIMELINE_MARKS, record):
+            for _ in range(reps):
+                runs.append([])
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                t0 = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                runs[-1] = [(what, 1e3 * (t - t0), None if ev is None else start.elapsed_time(ev))
+                            for what, t, ev in runs[-1]]
+    finally:
+        launch_module._Entry.__call__ = entry_call
+    # The steps whose sequence is the last one's (a step that compiled a new signature has another).
+    same = [r for r in runs if [what for what, _, _ in r] == [what for what, _, _ in runs[-1]]]
+    rows = [f"(the median of {len(same)} steps of {reps})"]
+    for i, (what, _, ev) in enumerate(same[0]):
+        host = statistics.median(r[i][1] for r in same)
+        gpu = "" if ev is None else f"  gpu +{statistics.median(r[i][2] for r in same):.3f}"
+        rows.append(f"{what:40} host +{host:.3f}{gpu}")
+    return rows
 
 
 def site_costs(cfg, activation="swiglu"):
@@ -129,6 +273,12 @@ def site_costs(cfg, activation="swiglu"):
     best = row_gemm_kernel.best_config
     out["fc1 row_gemm (fixed config)"] = host_us(lambda: row_gemm_with(best, *fc1_args, **fc1_kwargs))
     out["fc1 row_gemm, pointer weight"] = host_us(lambda: fc1_launch(tma_weight=False))
+    # The launch in two halves: building its arguments, then launching the built call.
+    for label, kw in (("", {}), (", pointer weight", dict(tma_weight=False))):
+        out[f"fc1 row_gemm_call (arguments){label}"] = host_us(lambda: row_gemm_call(*fc1_args, **fc1_kwargs, **kw))
+        built = row_gemm_call(*fc1_args, **fc1_kwargs, **kw)
+        launch_call(built)
+        out[f"fc1 launch of the built call{label}"] = host_us(lambda: launch_call(built))
     # The launch's arguments as row_gemm builds them.
     try:
         launch = direct_launch(*row_gemm_call(*fc1_args, **fc1_kwargs, tma_weight=False))
@@ -148,6 +298,16 @@ def site_costs(cfg, activation="swiglu"):
     out["torch add_ (small)"] = host_us(lambda: small.add_(1))
     out["empty Triton kernel"] = host_us(lambda: _empty_kernel[(1,)](small, 16, BLOCK=16))
     out["get_device_capability"] = host_us(lambda: torch.cuda.get_device_capability(dev))
+    # What each host step of the path to fc1 is made of (every torch call costs microseconds).
+    flat = torch.empty(4096, dtype=torch.int32, device=dev)
+    out["as_strided"] = host_us(lambda: flat.as_strided((64, 8), (8, 1), 512))
+    out["slice"] = host_us(lambda: flat[512:1024])
+    out["contiguous (already)"] = host_us(lambda: x.contiguous())
+    out["tensor.stride(0)"] = host_us(lambda: x.stride(0))
+    out["torch.cuda.current_device"] = host_us(torch.cuda.current_device)
+    out["autograd Function.apply (no-op)"] = host_us(lambda: _NoOp.apply(xi, pi, impl.fc1, impl.fc2, plan, "a", "b"))
+    out["three_step_routing_plan"] = host_us(lambda: three_step_routing_plan(ids, E))
+    out["plan_tensors"] = host_us(lambda: plan_tensors(T, K, E, dev))
 
     step()
     torch.cuda.synchronize()
@@ -158,7 +318,15 @@ def site_costs(cfg, activation="swiglu"):
 
     profile = cprofile_rows(twenty_steps, 20, 40, own=False)
     torch.cuda.synchronize()
-    return out, profile
+
+    def twenty_forwards():
+        for _ in range(20):
+            impl(x, ids, probs)
+
+    own = cprofile_rows(twenty_forwards, 20, 30, own=True)
+    torch.cuda.synchronize()
+    return out, dict(step_cumulative=profile, forward_own=own, lead_sweep=lead_sweep(step),
+                     launch_timeline=launch_timeline(step))
 
 
 def table_lines(results):

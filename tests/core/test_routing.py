@@ -62,19 +62,35 @@ MANY_TILE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("small_blocks", [False, True], ids=["blocks", "small_blocks"])
+@pytest.mark.parametrize("scan", ["three_launches", "small_blocks", "folded", "folded_small_loads"])
 @pytest.mark.parametrize("case", MANY_TILE_CASES, ids=[c[0] for c in MANY_TILE_CASES])
-def test_three_step_many_tiles(case, small_blocks, monkeypatch):
+def test_three_step_many_tiles(case, scan, monkeypatch):
     """Per-expert tile scans and the expert offsets each scatter program sums itself; with
-    ``small_blocks`` both loop over several blocks (4 tile counts, 16 expert totals at a time)."""
+    ``small_blocks`` both loop over several blocks (4 tile counts, 16 expert totals at a time);
+    ``folded``: step (b) inside the scatter (``FOLD_CELLS``), reading the counts in loads of
+    ``FOLD_LOAD`` cells (4: a row or less per load with ``folded_small_loads``)."""
+    from moeblaze_megatron.kernels import launch as launch_mod
+    from moeblaze_megatron.kernels import plan_three_step as kernels
+
     _, kind, num_tokens, num_experts, topk = case
     topk_ids = make_topk_ids(kind, num_tokens, num_experts, topk, torch.Generator().manual_seed(5)).to(DEVICE)
-    if small_blocks:
-        from moeblaze_megatron.kernels import plan_three_step as kernels
-
+    monkeypatch.setattr(kernels, "FOLD_CELLS", 2**20 if scan.startswith("folded") else 0)
+    if scan == "small_blocks":
         monkeypatch.setattr(kernels, "SCAN_BLOCK", 4)
         monkeypatch.setattr(kernels, "TOTALS_BLOCK", 16)
+    if scan == "folded_small_loads":
+        monkeypatch.setattr(kernels, "FOLD_LOAD", 4)
+    launched, launch = [], kernels.launch
+
+    def counted(kernel, *rest):
+        if launch_mod._recording.get() is None:  # not the compile prefetch's dry run (on a GPU)
+            launched.append(kernel)
+        launch(kernel, *rest)
+
+    monkeypatch.setattr(kernels, "launch", counted)
     plan = build(topk_ids, num_experts, "three_step")
+    assert (kernels._tile_offsets_kernel in launched) == (not scan.startswith("folded"))
+    assert len(launched) == (2 if scan.startswith("folded") else 3)
     assert_plan_invariants(plan, topk_ids, num_experts)
     assert_matches_definition(plan, topk_ids, num_experts)
 

@@ -210,9 +210,10 @@ def test_launch_hooks_see_every_launch():
         _step(x, ids, probs, fc1, fc2, gy)
     finally:
         hook.remove(record)
-    # The plan's three kernels, fc1, fc2, the combine, dH, dW2, dW1, dX and dx's combine: eleven
+    # The plan's two kernels (a plan this small scans its tile counts in the scatter:
+    # plan_three_step.FOLD_CELLS), fc1, fc2, the combine, dH, dW2, dW1, dX and dx's combine: ten
     # Triton launches.
-    assert len(seen) == 11
+    assert len(seen) == 10
 
 
 def test_direct_launch_takes_each_calls_grid():

@@ -5,6 +5,7 @@ labels and the autotuner's picks (kernels/tuning.py), and the MOEBLAZE_AUTOTUNE 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moeblaze_megatron.kernels import configs as cf
 from moeblaze_megatron.kernels import row_gemm, tuning, weight_grad
@@ -193,3 +194,29 @@ def test_the_in_place_epilogue_is_never_timed(gpu_lists, monkeypatch, activation
     assert constexprs["BLOCK_N"] == cf.ACT_BWD_BLOCK_N and constexprs["num_warps"] == kernel.config.num_warps
     assert launch._one_config(forward.kernel, forward.args, forward.constexprs)[0] is row_gemm.row_gemm_kernel
     assert not row_gemm.row_gemm_kernel.restore_value and not row_gemm.row_gemm_kernel.reset_to_zero
+
+
+def test_tma_descriptor_is_triton_s_with_its_checks_run_once_per_layout(monkeypatch):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from moeblaze_megatron.kernels import configs
+
+    checked = []
+    real = TensorDescriptor.from_tensor
+    monkeypatch.setattr(configs, "_checked_layouts", set())
+    monkeypatch.setattr(TensorDescriptor, "from_tensor", staticmethod(lambda *a: (checked.append(1), real(*a))[1]))
+    weight = torch.randn(4, 64, 32, dtype=torch.bfloat16)
+    for _ in range(3):
+        desc = configs.tma_descriptor(weight, (1, 16, 32))
+        want = real(weight, [1, 16, 32])
+        assert (desc.base is weight and tuple(desc.shape) == tuple(want.shape) and desc.strides == want.strides
+                and desc.block_shape == [1, 16, 32] and desc.padding == want.padding)
+    assert len(checked) == 1
+    configs.tma_descriptor(torch.randn(4, 64, 32, dtype=torch.bfloat16), (1, 16, 32))  # the same layout
+    assert len(checked) == 1
+    # What Triton refuses is refused every time, never remembered as checked.
+    odd = torch.randn(4, 64, 33, dtype=torch.bfloat16)[..., :32]  # rows of 66 bytes: not 16-byte aligned
+    for _ in range(2):
+        with pytest.raises(AssertionError, match="strides must be 16-byte aligned"):
+            configs.tma_descriptor(odd, (1, 16, 32))
+    assert len(checked) == 3

@@ -5,10 +5,14 @@ alignment, each call's own grid, launch hooks)."""
 
 from __future__ import annotations
 
+import inspect
+from types import SimpleNamespace
+
 import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moeblaze_megatron.kernels import launch as launch_mod
 from moeblaze_megatron.kernels.knobs import read_knobs
@@ -30,13 +34,122 @@ def test_direct_launch_switch():
         read_knobs({"MOEBLAZE_DIRECT_LAUNCH": "yes"})
 
 
-def test_signature_key_holds_what_triton_specializes_on():
+@pytest.mark.parametrize("key", [launch_mod._arg_key, lambda arg: launch_mod._signature((arg,))],
+                         ids=["one_argument", "signature"])
+def test_signature_key_holds_what_triton_specializes_on(key):
     buf = torch.zeros(64, dtype=torch.float32)
-    key = launch_mod._arg_key
     assert key(buf) == key(torch.zeros(8, dtype=torch.float32))  # data and shape are not in it
     assert key(buf) != key(buf.to(torch.float16))  # dtype
     assert key(buf) != key(buf[1:])  # 16-byte alignment
-    assert key(16) != key(17) and key(1) != key(True)  # integers by value (and type)
+    assert key(16) != key(17) and key(1) != key(True) and key(1) != key(1.0)  # numbers by value and type
+    # A parameter and a tensor subclass key as the tensor they hold.
+    assert key(torch.nn.Parameter(buf)) == key(buf)
+    assert key(buf.as_subclass(_Tagged)) == key(buf)
+    desc = TensorDescriptor.from_tensor(torch.zeros(8, 16), [4, 16])
+    assert key(desc) == key(TensorDescriptor.from_tensor(torch.ones(8, 16), [4, 16]))
+    assert key(desc) != key(TensorDescriptor.from_tensor(torch.zeros(8, 16), [8, 16]))  # the box
+
+
+class _Tagged(torch.Tensor):
+    pass
+
+
+class _Fake36Launcher:
+    """Triton 3.6's CUDA launcher, as far as ``_raw_launch`` reads it: ``__call__(gridX, gridY,
+    gridZ, stream, function, *args)`` over ``launch``."""
+
+    global_scratch_size = profile_scratch_size = 0
+    num_ctas = 1
+    launch_cooperative_grid, launch_pdl = "coop", "pdl"
+
+    def __init__(self, launch):
+        self.launch = launch
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        raise AssertionError("a raw launch does not come here")
+
+
+class _Fake38Launcher(_Fake36Launcher):
+    def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata, enter, exit_, *args):
+        raise AssertionError("not this one either")
+
+
+class _FakeKernel:
+    """What an entry reads of a ``triton.jit`` function (the interpreter's has no signature)."""
+
+    __name__ = "fake_kernel"
+    arg_names = ["x_ptr", "desc", "n", "BLOCK"]
+    signature = inspect.signature(lambda x_ptr, desc, n, BLOCK=1: None)
+
+
+def _wrap_as_triton_36(launcher, tensordesc_indices, tensordesc_meta):
+    """Triton 3.6's descriptor wrapper around the C launch (its closure's names)."""
+    def inner(*args):
+        return launcher(tensordesc_indices, tensordesc_meta, *args)
+
+    return inner
+
+
+def test_raw_launch_only_of_triton_36_launchers():
+    raw = launch_mod._raw_launch(_Fake36Launcher(len))  # a C function: no descriptor parameters
+    assert raw == (len, "coop", "pdl", ())
+    meta = [{"block_size": [1, 64]}, {"block_size": [64, 64]}]
+    raw = launch_mod._raw_launch(_Fake36Launcher(_wrap_as_triton_36(print, {7, 2}, meta)))
+    assert raw.launch is print and [(i, m) for i, m, _ in raw.descriptors] == [(2, meta[0]), (7, meta[1])]
+    # Anything else runs through its launcher: another version's, scratch memory, other wrappers.
+    assert launch_mod._raw_launch(_Fake38Launcher(len)) is None
+    scratch = _Fake36Launcher(len)
+    scratch.global_scratch_size = 128
+    assert launch_mod._raw_launch(scratch) is None
+    assert launch_mod._raw_launch(_Fake36Launcher(lambda *args: None)) is None
+    assert launch_mod._raw_launch(_Fake36Launcher(_wrap_as_triton_36(print, {1}, [None]))) is None
+    assert launch_mod._raw_launch(object()) is None
+
+
+def test_direct_call_expands_descriptors_keeping_their_fills(monkeypatch):
+    """An entry over a Triton 3.6 launcher: its C launch gets Triton's base arguments, every
+    parameter in order with each descriptor expanded, and a descriptor filled once per layout."""
+    from triton.backends.nvidia import driver
+
+    fills, launches = [], []
+
+    def fill(desc, meta):
+        fills.append(desc.base.data_ptr())
+        return [f"map{len(fills)}", *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(driver, "make_tensordesc_arg", fill, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 99, raising=False)
+    meta = [{"block_size": [4, 16]}]
+
+    class Compiled:
+        run = _Fake36Launcher(_wrap_as_triton_36(lambda *args: launches.append(args), {1}, meta))
+        function, packed_metadata = "fn", "packed"
+
+    entry = launch_mod._Entry(_FakeKernel(), Compiled(), 3, {"BLOCK": 4})
+    assert entry.raw is not None and entry.pre_hook is None
+    weight, fresh = torch.zeros(8, 16), torch.zeros(8, 16)
+    for base in (weight, weight, fresh, weight):
+        entry(lambda meta: (5,), (torch.zeros(4), TensorDescriptor.from_tensor(base, [4, 16]), 3), 0)
+    assert fills == [weight.data_ptr(), fresh.data_ptr()]  # the weight's map filled once
+    grid_and_base = (5, 1, 1, 99, "fn", "coop", "pdl", None, None, "packed", None, None, None)
+    for args, want_map in zip(launches, ["map1", "map1", "map2", "map1"]):
+        assert args[:13] == grid_and_base
+        assert args[14:] == (want_map, 8, 16, 16, 1, 3, 4)  # the map, shape, strides, then n and BLOCK
+
+
+def test_direct_calls_skip_config_hooks_that_only_size_boxes():
+    from moeblaze_megatron.kernels.configs import set_row_gemm_boxes, set_tma_box
+
+    assert set_row_gemm_boxes.only_sizes_boxes and set_tma_box.only_sizes_boxes
+    seen = []
+
+    class Compiled:
+        run = _Fake36Launcher(len)
+        function, packed_metadata = "fn", "packed"
+
+    for hook, kept in ((launch_mod.box_hook(lambda nargs: seen.append(1)), False), (seen.append, True)):
+        one = launch_mod._OneConfig(SimpleNamespace(fn=_FakeKernel()), triton.Config({"BLOCK": 4}, pre_hook=hook))
+        assert (launch_mod._Entry(one, Compiled(), 3, {}).pre_hook is not None) == kept
 
 
 @triton.jit
