@@ -219,8 +219,8 @@ def ragged_tma_takes(ordered, rows_total: int) -> bool:
     return rows_total <= 2**30 and tma_takes(ordered)
 
 
-# Descriptor layouts Triton's checks passed (alignment, dtype, shape, strides, box): those checks
-# cost a launch more host time than the descriptor itself (benchmarks/NOTES.md, v23).
+# Descriptor layouts Triton's checks passed (alignment, dtype, shape, strides, box): the checks,
+# not the descriptor, are most of its host time, and a weight's layout is the same every step.
 _checked_layouts: set = set()
 
 
@@ -234,4 +234,3 @@ def tma_descriptor(t, box) -> TensorDescriptor:
     desc = object.__new__(TensorDescriptor)  # the other fields keep their class defaults
     desc.base, desc.shape, desc.strides, desc.block_shape = t, shape, strides, list(box)
     return desc
-

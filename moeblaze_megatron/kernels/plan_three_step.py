@@ -48,8 +48,8 @@ TOTALS_BLOCK = 1024
 # Step (b) folded into (c) for plans of at most this many tile counts (E * num_tiles; every shape
 # of bench_layer.py): each scatter program then reads all the counts itself (32 KB at most, from
 # L2), which costs the GPU about what the launch it saves does, and saves that launch's host time
-# (the GPU waits on the host before a layer's first GEMM). FOLD_ROWS x the counts' power-of-two
-# width is one load of the fold.
+# (the GPU waits on the host before a layer's first GEMM). FOLD_LOAD: counts per load of the fold
+# (whole rows of the counts' power-of-two width, a power of two).
 FOLD_CELLS = 8192
 FOLD_LOAD = 4096
 # The dense map holds k + 1 in an int8.
@@ -181,7 +181,8 @@ def plan_tensors(num_tokens: int, topk: int, num_experts: int, device):
 
 
 def three_step_routing_plan(topk_ids: torch.Tensor, num_experts: int):
-    """Launch the three steps; returns the plan's four tensors (int32)."""
+    """Launch the three steps (two for a small plan: ``FOLD_CELLS``); returns the plan's four
+    tensors (int32)."""
     num_tokens, topk = topk_ids.shape
     if topk > MAX_TOPK:
         raise ValueError(f"the three-step build supports topk <= {MAX_TOPK}, got {topk}; use method='sort'")

@@ -143,8 +143,9 @@ TIMELINE_MARKS = (
 
 @contextlib.contextmanager
 def _marked(marks, record):
-    """Inside the block each function of ``marks`` calls ``record(name, "enter"|"exit")`` around
-    its body, wherever a module of the package (or the bench library) holds it by name."""
+    """Inside the block each function of ``marks`` calls ``record(name, ">")`` on entry and
+    ``record(name, "<")`` on exit, wherever a module of the package (or the bench library)
+    holds it by name; the originals are back after the block."""
     undo = []
     for module_name, qualname in marks:
         module = importlib.import_module(module_name)
