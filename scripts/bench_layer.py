@@ -42,6 +42,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     parser.add_argument("--tag", default="bench_layer")
     parser.add_argument("--profile", action="store_true", help="profile moeblaze: CUDA time per kernel, idle gaps between kernels")
+    parser.add_argument("--power", choices=("auto", "off"), default="auto",
+                        help="auto: read the GPU's energy, power and clock through NVML (nvidia-ml-py) during the "
+                        "back-to-back fwd+bwd steps, where it answers; off: do not")
     parser.add_argument("--report-only", metavar="JSON", help="rewrite the markdown table and the charts of a saved run")
     return parser.parse_args(argv)
 
@@ -68,7 +71,8 @@ def main(argv=None):
     from benchlib.layer_bench import run
 
     run(configs, args.acts.split(","), args.impls.split(","), args.out, args.tag, args.reps, args.seconds,
-        args.warmup_seconds, args.check_tokens, check=not args.no_check, profile=args.profile)
+        args.warmup_seconds, args.check_tokens, check=not args.no_check, profile=args.profile,
+        power=args.power == "auto")
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ from moeblaze_megatron.training.audit import saved_bytes_for_backward
 
 from .accuracy import CHECK_TOL, check_impl
 from .layer_report import write_report
+from .nvml import PowerWindow, optional_sampler
 from .peers import IMPL_CLASSES, KNOWN_CRASHES
 from .profiling import compile_times, host_profile, profile_kernels, tensor_core_report
 from .shapes import CONFIGS, flops_fwdbwd, floor_bytes, make_inputs
 from .timing import cuda_time, matmul_rates
 
 # Environment variables that change what moeblaze runs; recorded with the results.
-ENV_KNOBS = ("MOEBLAZE_AUTOTUNE", "MOEBLAZE_DIRECT_LAUNCH", "TRITON_CACHE_AUTOTUNING")
+ENV_KNOBS = ("MOEBLAZE_AUTOTUNE", "MOEBLAZE_DIRECT_LAUNCH", "MOEBLAZE_WARP_SPECIALIZE", "TRITON_CACHE_AUTOTUNING")
 
 
 def layer_steps(cls, T, d, h, E, K, activation, dtype, device):
@@ -45,10 +46,12 @@ def layer_steps(cls, T, d, h, E, K, activation, dtype, device):
     return steps
 
 
-def measure(cls, T, d, h, E, K, activation, dtype, device, seed, reps, warmup_s=0.0, min_s=0.0):
+def measure(cls, T, d, h, E, K, activation, dtype, device, seed, reps, warmup_s=0.0, min_s=0.0, sampler=None):
     """One implementation at one shape: forward, forward+backward (its host time too) and queued
     forward+backward ms, the first call's seconds, the bytes saved for backward (parameters
-    excluded) and the peak memory above inputs, weights and their gradients."""
+    excluded) and the peak memory above inputs, weights and their gradients; with ``sampler``
+    (``nvml.Sampler``), the GPU's energy per step, power, clock and power-capped share over the
+    timed back-to-back forward+backward steps (``power_fwdbwd``)."""
     x, ids, probs, fc1, fc2 = make_inputs(T, d, h, E, K, activation, dtype, device, seed)
     impl = cls(fc1, fc2, activation, E, K)
     del fc1, fc2
@@ -75,7 +78,8 @@ def measure(cls, T, d, h, E, K, activation, dtype, device, seed, reps, warmup_s=
         impl(xi, ids, pi).backward(gy)
 
     ms_fwd = cuda_time(fwd, 2, reps, warmup_s=warmup_s / 2, min_s=min_s / 2)[0]
-    ms_fwdbwd, host_ms_fwdbwd = cuda_time(fwdbwd, 2, reps, warmup_s=warmup_s, min_s=min_s)
+    window = PowerWindow(sampler) if sampler is not None else None
+    ms_fwdbwd, host_ms_fwdbwd = cuda_time(fwdbwd, 2, reps, warmup_s=warmup_s, min_s=min_s, window=window)
     ms_fwdbwd_queued = cuda_time(fwdbwd, 1, reps, queued=True, min_s=min_s / 2)[0]
     # Peak above inputs, weights and their gradients: the gradients' own bytes are taken out.
     for t in leaves:
@@ -88,9 +92,11 @@ def measure(cls, T, d, h, E, K, activation, dtype, device, seed, reps, warmup_s=
     torch.cuda.synchronize()
     grad_bytes = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
     peak = torch.cuda.max_memory_allocated() - base - grad_bytes
-    return dict(ms_fwd=ms_fwd, ms_fwdbwd=ms_fwdbwd, host_ms_fwdbwd=host_ms_fwdbwd, ms_fwdbwd_queued=ms_fwdbwd_queued,
-                saved_bytes=nbytes, peak_bytes=peak,
-                first_call_s=first_call_s, first_call_compile=compiled)
+    rec = dict(ms_fwd=ms_fwd, ms_fwdbwd=ms_fwdbwd, host_ms_fwdbwd=host_ms_fwdbwd, ms_fwdbwd_queued=ms_fwdbwd_queued,
+               saved_bytes=nbytes, peak_bytes=peak, first_call_s=first_call_s, first_call_compile=compiled)
+    if window is not None:
+        rec["power_fwdbwd"] = window.record()
+    return rec
 
 
 def _compiled_text(rec) -> str:
@@ -103,6 +109,15 @@ def _compiled_text(rec) -> str:
     if workers:
         text += f"; in workers {workers} kernels, {compiled['worker_seconds']:.1f} s"
     return text + ")"
+
+
+def _power_text(rec) -> str:
+    """`` 2.67 J/step at 665 W, 1742 MHz, power-capped 100%`` where the power was read."""
+    p = rec.get("power_fwdbwd")
+    if not p:
+        return ""
+    return (f" {p['joules_per_step']:.2f} J/step at {p['mean_watts']:.0f} W, {p['mean_sm_mhz']:.0f} MHz, "
+            f"power-capped {100 * p['power_capped_share']:.0f}%")
 
 
 def available_impls(names, dtype, device, notes):
@@ -120,9 +135,11 @@ def available_impls(names, dtype, device, notes):
     return available
 
 
-def run(configs, acts, impls, out, tag, reps, seconds, warmup_seconds, check_tokens, check=True, profile=False):
+def run(configs, acts, impls, out, tag, reps, seconds, warmup_seconds, check_tokens, check=True, profile=False,
+        power=True):
     """Every (config, activation, implementation) on the GPU: checked against the float64
-    reference (at a reduced token count), timed, its memory measured. Writes ``tag``.json under
+    reference (at a reduced token count), timed, its memory measured, and with ``power`` (where
+    NVML answers) its energy per step, power and clock back to back. Writes ``tag``.json under
     ``out`` after every record, then the markdown table and the chart; prints progress."""
     device = torch.device("cuda")
     dtype = torch.bfloat16
@@ -140,6 +157,12 @@ def run(configs, acts, impls, out, tag, reps, seconds, warmup_seconds, check_tok
     print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  dense bf16 matmul {peak:.0f} TFLOP/s "
           f"(burst), {sustained:.0f} sustained", flush=True)
     records, notes = [], []
+    sampler = None
+    if power:
+        sampler, why_not = optional_sampler(torch.cuda.current_device())
+        if sampler is None:
+            notes.append(f"power: not read ({why_not})")
+            print(notes[-1], flush=True)
     available = available_impls(impls, dtype, device, notes)
     for cfg in configs:
         T, d, h, E, K = CONFIGS[cfg]
@@ -152,7 +175,8 @@ def run(configs, acts, impls, out, tag, reps, seconds, warmup_seconds, check_tok
                     # Timed first, so that its first call is a training job's first step: the check
                     # compiles the same kernels (the ints they specialize on keep their 16-divisibility).
                     tuned_before = set(autotune_picks()) if name.startswith("moeblaze") else set()
-                    rec.update(measure(cls, T, d, h, E, K, act, dtype, device, 2, reps, warmup_seconds, seconds))
+                    rec.update(measure(cls, T, d, h, E, K, act, dtype, device, 2, reps, warmup_seconds, seconds,
+                                       sampler=sampler))
                     if name.startswith("moeblaze"):
                         rec["autotune_picks"] = {k: v for k, v in autotune_picks().items() if k not in tuned_before}
                     if check:
@@ -191,7 +215,8 @@ def run(configs, acts, impls, out, tag, reps, seconds, warmup_seconds, check_tok
                     f"queued {rec['ms_fwdbwd_queued']:.2f})  "
                     f"{rec['tflops']:.0f} TF/s "
                     f"saved {rec['saved_bytes'] / 2**20:.0f} MiB peak {rec['peak_bytes'] / 2**20:.0f} MiB "
-                    f"first {rec['first_call_s']:.1f}s{_compiled_text(rec)} check {'ok' if rec.get('check_ok', True) else 'FAIL ' + str(rec['check'])}")
+                    f"first {rec['first_call_s']:.1f}s{_compiled_text(rec)}{_power_text(rec)} "
+                    f"check {'ok' if rec.get('check_ok', True) else 'FAIL ' + str(rec['check'])}")
                 print(f"[{time.perf_counter() - started:5.0f}s] {cfg:16s} {act:6s} {name:20s} {status}", flush=True)
                 if rec.get("autotune_picks"):
                     print("   autotuner picks: " + "  ".join(rec["autotune_picks"].values()), flush=True)

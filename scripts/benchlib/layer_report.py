@@ -120,6 +120,25 @@ def markdown_table(meta, notes, records):
                 f"| {cfg} | {act} | {r['impl']} | {r['ms_fwd']:.2f} | {r['ms_fwdbwd']:.2f} | {host} | {queued} | {r['tflops']:.0f} | "
                 f"{r['pct_of_matmul']:.0f}% | {sustained} | {speed} | {r['saved_bytes'] / 2**20:.0f} | {r['floor_bytes'] / 2**20:.0f} | "
                 f"{r['peak_bytes'] / 2**20:.0f} | {check} |")
+    lines += power_lines(records)
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def power_lines(records):
+    """The power table of the records that read it (none: no lines): energy per back-to-back
+    fwd+bwd step, mean power and SM clock, and how often the power cap held the clock down."""
+    read = [r for r in records if r.get("power_fwdbwd")]
+    if not read:
+        return []
+    lines = ["", "Power over the timed back-to-back fwd+bwd steps (NVML, sampled every 20 ms). Where the power cap "
+             "holds the clock down, the step time is its energy over the power the board allows, so J/step is what "
+             "an implementation's speed there comes down to.", "",
+             "| config | act | impl | fwd+bwd ms | J/step | mean W | SM MHz | power-capped |", "|---|---|---|---|---|---|---|---|"]
+    for r in read:
+        p = r["power_fwdbwd"]
+        lines.append(f"| {r['config']} | {r['activation']} | {r['impl']} | {r['ms_fwdbwd']:.2f} | "
+                     f"{p['joules_per_step']:.2f} | {p['mean_watts']:.0f} | {p['mean_sm_mhz']:.0f} | "
+                     f"{100 * p['power_capped_share']:.0f}% |")
+    return lines

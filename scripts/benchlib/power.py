@@ -10,60 +10,16 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 
 import torch
 
 from .layer_bench import layer_steps
+from .nvml import Sampler, readings
 from .peers import IMPL_CLASSES
 from .profiling import profile_kernels
 from .shapes import CONFIGS
 from .timing import SPIN_CYCLES
-
-POWER_CAP_REASONS = 0x4 | 0x80  # NVML clocks-event reasons: software power cap, hardware power brake
-
-
-class Sampler:
-    """NVML readings of one GPU every ``period`` seconds on a thread, and its energy counter."""
-
-    def __init__(self, index, period=0.02):
-        try:
-            import pynvml
-        except ImportError as exc:
-            raise SystemExit("power_probe.py reads the GPU through NVML: install nvidia-ml-py "
-                             f"(import pynvml failed: {exc})") from exc
-        pynvml.nvmlInit()
-        self.nvml = pynvml
-        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        self.period = period
-        self.samples = []
-        self._stop = threading.Event()
-        self._thread = None
-
-    def energy_mj(self):
-        return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
-
-    def _run(self):
-        nv, h = self.nvml, self.handle
-        # Named "throttle reasons" before nvidia-ml-py 12.535.
-        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
-        while not self._stop.is_set():
-            self.samples.append((nv.nvmlDeviceGetPowerUsage(h) / 1e3, nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
-                                 reasons(h)))
-            time.sleep(self.period)
-
-    def __enter__(self):
-        self.samples = []
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
 
 def summarize(samples, energy_mj, steps, step_ms, spin_mj_per_step=0.0):
     """One mode's record from its NVML samples (watts, SM MHz, reasons), the energy counter's
@@ -71,14 +27,8 @@ def summarize(samples, energy_mj, steps, step_ms, spin_mj_per_step=0.0):
     spin (mJ, queued only: taken out of each step's share)."""
     if steps <= 0 or not samples:
         raise ValueError(f"summarize needs at least one step and one sample, got {steps} steps, {len(samples)} samples")
-    return dict(
-        steps=steps,
-        ms_per_step=statistics.median(step_ms),
-        joules_per_step=(energy_mj / steps - spin_mj_per_step) / 1e3,
-        mean_watts=statistics.fmean(s[0] for s in samples),
-        mean_sm_mhz=statistics.fmean(s[1] for s in samples),
-        power_capped_share=sum(1 for s in samples if s[2] & POWER_CAP_REASONS) / len(samples),
-    )
+    return dict(steps=steps, ms_per_step=statistics.median(step_ms),
+                joules_per_step=(energy_mj / steps - spin_mj_per_step) / 1e3, **readings(samples))
 
 
 def run_mode(steps, sampler, seconds, queued, spin_mj_per_step=0.0):

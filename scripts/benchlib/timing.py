@@ -8,6 +8,7 @@ the host takes to return from a call when none of its launches waits.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -16,7 +17,7 @@ import torch
 SPIN_CYCLES = 40_000_000  # torch.cuda._sleep cycles before a queued step: ~20 ms at the H200's 1.98 GHz
 
 
-def cuda_time(fn, warmup, reps, queued=False, warmup_s=0.0, min_s=0.0, spin=SPIN_CYCLES):
+def cuda_time(fn, warmup, reps, queued=False, warmup_s=0.0, min_s=0.0, spin=SPIN_CYCLES, window=None):
     """Median ms between CUDA events around ``fn``, and the median host ms ``fn`` took to return
     (its launches; past the GPU time the host, not the GPU, sets the pace). Warm-up: ``warmup``
     calls and at least ``warmup_s`` seconds; then ``reps`` timed calls, more until ``min_s``
@@ -26,7 +27,8 @@ def cuda_time(fn, warmup, reps, queued=False, warmup_s=0.0, min_s=0.0, spin=SPIN
     GPU first spins for ``spin`` cycles (~20 ms by default), so ``fn``'s launches queue up behind
     it and the time excludes every wait on the host (as inside a model, where earlier layers keep
     the GPU busy); the spin also lets the GPU rest before every call, so compare queued times only
-    with each other."""
+    with each other. ``window`` (``nvml.PowerWindow``): entered around the timed calls only, its
+    ``steps`` set to how many ran."""
     t0 = time.perf_counter()
     done = 0
     while done < warmup or time.perf_counter() - t0 < warmup_s:
@@ -34,18 +36,21 @@ def cuda_time(fn, warmup, reps, queued=False, warmup_s=0.0, min_s=0.0, spin=SPIN
         torch.cuda.synchronize()
         done += 1
     times, host = [], []
-    t0 = time.perf_counter()
-    while len(times) < reps or time.perf_counter() - t0 < min_s:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if queued:
-            torch.cuda._sleep(spin)
-        start.record()
-        t1 = time.perf_counter()
-        fn()
-        host.append(1e3 * (time.perf_counter() - t1))
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    with window if window is not None else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        while len(times) < reps or time.perf_counter() - t0 < min_s:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queued:
+                torch.cuda._sleep(spin)
+            start.record()
+            t1 = time.perf_counter()
+            fn()
+            host.append(1e3 * (time.perf_counter() - t1))
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    if window is not None:
+        window.steps = len(times)
     return statistics.median(times), statistics.median(host)
 
 

@@ -109,3 +109,13 @@ def test_first_call_compile_times_come_from_tritons_listener():
     assert _compiled_text({"first_call_compile": helped}) == (
         " (compiling 3.5 s, ptxas 2.5, 1 kernels; in workers 11 kernels, 13.4 s)")
     assert _compiled_text({"first_call_compile": {"kernels": 0}}) == _compiled_text({}) == ""
+
+
+def test_the_power_table_lists_the_records_that_read_it():
+    from benchlib.layer_report import power_lines
+
+    assert power_lines([_record("grouped_mm", 10.0)]) == []  # no record read the power: no table
+    capped = dict(steps=40, joules_per_step=10.87, mean_watts=674.4, mean_sm_mhz=1555.2, power_capped_share=1.0)
+    lines = power_lines([_record("moeblaze", 15.58, power_fwdbwd=capped), _record("grouped_mm", 25.97)])
+    assert lines[-2] == "|---|---|---|---|---|---|---|---|"
+    assert lines[-1] == "| qwen3-30b-like | swiglu | moeblaze | 15.58 | 10.87 | 674 | 1555 | 100% |"
