@@ -13,10 +13,14 @@ torch._grouped_mm), dw1_pointer / dw2_pointer
 fc1_act_pointer / dh_act_bwd_pointer / dx_pointer (the weight through pointer loads instead of the
 layer's TMA descriptor), fc2_rows_pointer / dx_rows_pointer (A and the output, in expert order,
 through pointers instead of ragged TMA descriptors) and fc1_plain / dh_plain (fc1 and dH with a
-plain store instead of their fused epilogues: what the epilogues cost).
+plain store instead of their fused epilogues: what the epilogues cost). With --energy-seconds S
+each op as the layer launches it, and a dense mm of fc1's size, also gets its energy per launch
+(NVML, nvidia-ml-py) over S seconds of back-to-back launches: on a power-capped GPU what a launch
+costs the step.
 
     python scripts/tune_kernels.py --shapes conf4,qwen3,7b --out /tmp/tune
     python scripts/tune_kernels.py --shapes conf6 --activation silu --ops fc1_act,dh_act_bwd
+    python scripts/tune_kernels.py --shapes 7b --ops fc1_act,fc2,dh_act_bwd,dw2,dw1,dx --configs none --energy-seconds 0.6
 """
 
 from __future__ import annotations
@@ -42,17 +46,22 @@ def main(argv=None):
     ap.add_argument("--configs", default="", help="comma list of label parts (e.g. '128x256,/s5'): time only "
                     "the candidate configs whose label contains one of them (default: all)")
     ap.add_argument("--time-limit", type=float, default=400.0, help="seconds; stops starting new shapes after")
+    ap.add_argument("--energy-seconds", type=float, default=0.0,
+                    help="also read each op's energy per call (as the layer launches it, and a dense mm of fc1's "
+                    "size) through NVML over back-to-back loops of this many seconds (default 0: not read)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if config_name(s) not in CONFIGS]
     if unknown:
         sys.exit(f"--shapes: unknown {unknown}; known: {', '.join([*CONFIGS, *ALIASES])}")
+    if args.energy_seconds < 0:
+        sys.exit(f"--energy-seconds must be >= 0, got {args.energy_seconds}")
     if not torch.cuda.is_available():
         sys.exit("tune_kernels.py needs a CUDA GPU")
     from benchlib.kernel_tuning import tune
 
     tune(args.shapes.split(","), args.ops.split(","), args.activation, args.reps, args.configs.split(","),
-         args.time_limit, out=args.out)
+         args.time_limit, out=args.out, energy_seconds=args.energy_seconds)
 
 
 if __name__ == "__main__":

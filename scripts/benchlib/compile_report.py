@@ -138,9 +138,11 @@ def _ptxas_info(ptx: str, arch: str) -> dict:
 
 
 def _histogram(ptx: str) -> dict:
-    """Instruction opcodes of a PTX module and their counts (directives, labels and braces left out)."""
-    ops = (line.split()[0] for line in ptx.splitlines() if line.strip()
-           and not line.strip().startswith((".", "//", "$", "{", "}", ")", "(")))
+    """Instruction opcodes of a PTX module and their counts (directives, labels and braces left out;
+    a predicated instruction counts under its opcode, not its guard ``@%p1``)."""
+    lines = (line.split() for line in ptx.splitlines() if line.strip()
+             and not line.strip().startswith((".", "//", "$", "{", "}", ")", "(")))
+    ops = (words[1] if words[0].startswith("@") and len(words) > 1 else words[0] for words in lines)
     return dict(collections.Counter(ops))
 
 

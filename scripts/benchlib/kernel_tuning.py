@@ -23,6 +23,7 @@ from moeblaze_megatron.kernels.tuning import row_gemm_with, weight_grad_with
 from moeblaze_megatron.kernels.weight_grad import weight_grad, weight_grad_kernel
 
 from .accuracy import rel_err
+from .nvml import PowerWindow, optional_sampler
 from .shapes import CONFIGS, config_name
 from .timing import time_op
 
@@ -125,7 +126,6 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
     hid_ws, pre_ws, dh_ws_plain, dh_ref_plain = (torch.empty_like(t) for t in (hid, pre, h_scaled, h_scaled))
     row_gemm(dy, fc2, dh_ref_plain, plan, transpose_weight=False, gather_a=True, n=h)
     grad_rows = x.new_empty(rows, d)
-    nothing = lambda: None  # noqa: E731
 
     def restore_pre():
         pre.copy_(pre_saved)
@@ -257,14 +257,70 @@ def dense_rate(rows, d, n, reps, experts=None):
     return 2.0 * experts * r * d * n / time_op(lambda: torch.bmm(a.transpose(1, 2), b), lambda: None, reps) / 1e9
 
 
-def tune(shapes, ops_wanted, activation, reps, config_filters, time_limit, out=None):
+def energy_per_call(fn, reset, sampler, seconds):
+    """The GPU's energy per call of ``fn`` (``nvml.PowerWindow``'s record, J in ``joules``) over a
+    back-to-back loop of at least ``seconds``, ``reset()`` before each call: where ``reset`` is
+    not ``nothing`` its own energy, from a loop of it alone, is taken out (``reset_joules``)."""
+
+    def loop(body):
+        torch.cuda.synchronize()
+        with PowerWindow(sampler) as window:
+            calls, t0 = 0, time.perf_counter()
+            while calls < 3 or time.perf_counter() - t0 < seconds:
+                body()
+                calls += 1
+                if calls % 8 == 0:  # a short queue: the loop's end is the GPU's
+                    torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            window.steps = calls
+        return window.record()
+
+    def both():
+        reset()
+        fn()
+
+    rec = loop(both if reset is not nothing else fn)
+    rec["joules"] = rec["joules_per_step"]
+    if reset is not nothing:
+        rec["reset_joules"] = loop(reset)["joules_per_step"]
+        rec["joules"] -= rec["reset_joules"]
+    return rec
+
+
+def nothing():
+    """The reset of an op that overwrites none of its inputs."""
+
+
+def dense_energy(rows, d, n, sampler, seconds):
+    """``energy_per_call`` of a dense bf16 [rows, d] @ [d, n] mm (fc1's FLOPs, cuBLAS), with its pJ/FLOP."""
+    a = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(d, n, device="cuda", dtype=torch.bfloat16)
+    rec = energy_per_call(lambda: torch.mm(a, b), nothing, sampler, seconds)
+    rec["pj_per_flop"] = rec["joules"] / (2.0 * rows * d * n) * 1e12
+    return rec
+
+
+def _energy_text(e) -> str:
+    """``12.31 mJ 1.21 pJ/FLOP at 690 W 1520 MHz`` of an energy record."""
+    return (f"{1e3 * e['joules']:.2f} mJ {e['pj_per_flop']:.2f} pJ/FLOP at {e['mean_watts']:.0f} W "
+            f"{e['mean_sm_mhz']:.0f} MHz")
+
+
+def tune(shapes, ops_wanted, activation, reps, config_filters, time_limit, out=None, energy_seconds=0.0):
     """Every op of ``ops_wanted`` (names of layer_ops) at every shape of ``shapes`` (names or
     aliases) with the autotuner's pick and with each candidate config whose label contains one of
     ``config_filters``, printed as it goes; no new shape starts after ``time_limit`` seconds;
-    ``out``: the folder of tune_kernels.json. Ends with the best config per op."""
+    ``out``: the folder of tune_kernels.json. Ends with the best config per op. With
+    ``energy_seconds``, each op as the layer launches it, and a dense mm of fc1's size, also get
+    their energy per call through NVML (``energy_per_call`` over loops that long)."""
     t_start = time.time()
     records, best = [], {}
     wanted = set(ops_wanted)
+    sampler = None
+    if energy_seconds > 0:
+        sampler, why_not = optional_sampler(torch.cuda.current_device())
+        if sampler is None:
+            sys.exit(f"--energy-seconds: {why_not}")
     for shape in shapes:
         if time.time() - t_start > time_limit:
             print(f"time limit reached; skipping {shape}", flush=True)
@@ -276,6 +332,11 @@ def tune(shapes, ops_wanted, activation, reps, config_filters, time_limit, out=N
         wgrad_bmm = dense_rate(rows, d, fc1.shape[1], reps, experts=E)
         print(f"== {shape} {activation} T={T} d={d} h={h} E={E} K={K}: dense bf16 mm {peak:.0f} TFLOP/s; dW1 as a cuBLAS "
               f"batched mm (even split, transposed operand) {wgrad_bmm:.0f}", flush=True)
+        if sampler is not None:
+            rec = dict(shape=shape, activation=activation, op="dense_mm", config="torch", T=T, d=d, h=h, E=E, K=K,
+                       energy=dense_energy(rows, d, fc1.shape[1], sampler, energy_seconds))
+            records.append(rec)
+            print(f"  {'dense_mm':14s} {'torch':24s} {_energy_text(rec['energy'])}", flush=True)
         hopper = on_hopper(torch.cuda.get_device_capability())
         for name, flops, kind, launch, outputs, reset in ops:
             if name not in wanted:
@@ -321,6 +382,9 @@ def tune(shapes, ops_wanted, activation, reps, config_filters, time_limit, out=N
                     err = max(rel_err(o, r) for o, r in zip(outputs(), ref))
                     ms = time_op(lambda: launch(cfg), reset, reps)
                     rec.update(ms=ms, tflops=flops / ms / 1e9, err=err, ok=err < 2e-2)
+                    if sampler is not None and cfg is None:
+                        rec["energy"] = energy_per_call(lambda: launch(None), reset, sampler, energy_seconds)
+                        rec["energy"]["pj_per_flop"] = rec["energy"]["joules"] / flops * 1e12
                 except Exception as exc:  # out of shared memory or registers: recorded, not fatal
                     rec.update(ms=None, tflops=None, err=None, ok=False, error=f"{type(exc).__name__}: {str(exc)[:120]}")
                     reset()
@@ -331,6 +395,8 @@ def tune(shapes, ops_wanted, activation, reps, config_filters, time_limit, out=N
                 if (cfg is not None or kind in ("torch", "gluon")) and rec["ok"] and (previous is None or rec["ms"] < previous["ms"]):
                     best[(shape, name)] = rec
                 status = f"{rec['ms']:.3f} ms {rec['tflops']:.0f} TF/s err {rec['err']:.1e}" if rec["ms"] else rec["error"]
+                if rec.get("energy"):
+                    status += "  " + _energy_text(rec["energy"])
                 shown = label if cfg or kind in ("torch", "gluon") else "autotuned " + picked
                 print(f"  {name:14s} {shown:24s} {status}", flush=True)
         del plan, ops, references, fc1

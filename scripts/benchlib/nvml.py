@@ -1,7 +1,8 @@
 """The GPU's power through NVML: its power, SM clock and clock-limit reasons sampled on a thread,
 and its energy counter. power_probe.py compares energy per step in two modes; bench_layer.py
-reads them around its back-to-back forward+backward loop, where a power-capped GPU sets the
-step time by energy per step rather than by cycles (benchmarks/NOTES.md, twenty-fifth session)."""
+reads them around its back-to-back forward+backward loop and tune_kernels.py around loops of one
+launch: at the power cap a step's time is its energy over the cap (benchmarks/NOTES.md,
+twenty-fifth session)."""
 
 from __future__ import annotations
 

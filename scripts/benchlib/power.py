@@ -15,7 +15,7 @@ import time
 import torch
 
 from .layer_bench import layer_steps
-from .nvml import Sampler, readings
+from .nvml import PowerWindow, Sampler, readings
 from .peers import IMPL_CLASSES
 from .profiling import profile_kernels
 from .shapes import CONFIGS
@@ -36,8 +36,8 @@ def run_mode(steps, sampler, seconds, queued, spin_mj_per_step=0.0):
     ``seconds``, each between two CUDA events; queued, behind a spin of SPIN_CYCLES."""
     steps(1)
     times = []
-    with sampler:
-        e0, t0 = sampler.energy_mj(), time.perf_counter()
+    with PowerWindow(sampler) as window:
+        t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if queued:
@@ -47,22 +47,20 @@ def run_mode(steps, sampler, seconds, queued, spin_mj_per_step=0.0):
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        energy = sampler.energy_mj() - e0
-    return summarize(sampler.samples, energy, len(times), times, spin_mj_per_step)
+    return summarize(sampler.samples, window.energy_mj, len(times), times, spin_mj_per_step)
 
 
 def spin_energy_mj(sampler, seconds):
     """The energy of one SPIN_CYCLES spin, from a loop of spins alone (mJ)."""
     torch.cuda.synchronize()
     spins = 0
-    with sampler:
-        e0, t0 = sampler.energy_mj(), time.perf_counter()
+    with PowerWindow(sampler) as window:
+        t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             torch.cuda._sleep(SPIN_CYCLES)
             torch.cuda.synchronize()
             spins += 1
-        energy = sampler.energy_mj() - e0
-    return energy / spins
+    return window.energy_mj / spins
 
 
 def kernel_lines(back_to_back, queued):

@@ -76,3 +76,12 @@ def test_refuses_under_the_interpreter():
         compile_layer((64, 32, 16, 4, 2))
     done = _run("--shape", "nonsense")
     assert done.returncode == 2 and "--shape: unknown 'nonsense'" in done.stderr
+
+
+def test_a_predicated_instruction_counts_under_its_opcode():
+    from benchlib.compile_report import _histogram
+
+    ptx = "\n".join([".reg .b32 %r<4>;", "// a comment", "$L__BB0_1:", "\tld.global.v4.b32 {%r1, %r2}, [%rd1];",
+                     "\t@%p1 st.global.v4.b32 [%rd2], {%r1, %r2};", "\t@!%p2 st.global.v4.b32 [%rd3], {%r1, %r2};",
+                     "\t@%p3 bra $L__BB0_1;", "\tret;"])
+    assert _histogram(ptx) == {"ld.global.v4.b32": 1, "st.global.v4.b32": 2, "bra": 1, "ret;": 1}

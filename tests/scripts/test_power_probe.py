@@ -68,3 +68,53 @@ def test_kernel_lines_pair_the_modes_by_kernel_slowest_first():
     assert lines[2].split()[1:] == ["0.500", "0.000", "ms", "-"]  # no ratio against a kernel the other mode lacks
     assert lines[4] == "    back to back: span 9.000 ms, no kernel running 0.250 ms, 7 launches"
     assert lines[5] == "    queued: span 7.500 ms, no kernel running 0.000 ms, 7 launches"
+
+
+class _FakeEvent:
+    def __init__(self, enable_timing=False):
+        pass
+
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return 2.5
+
+
+class _CountingSampler:
+    """A stand-in sampler whose energy counter (mJ) the steps advance."""
+
+    def __init__(self):
+        self.mj = 100.0
+        self.samples = []
+
+    def energy_mj(self):
+        return self.mj
+
+    def __enter__(self):
+        self.samples = [(690.0, 1500, 0x4), (700.0, 1450, 0x0)]
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+@pytest.mark.parametrize("queued,spin_mj", [(False, 0.0), (True, 1.0)])
+def test_run_mode_counts_the_steps_energy(monkeypatch, queued, spin_mj):
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)  # no GPU here: the loop's bookkeeping only
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    sampler = _CountingSampler()
+    ran = []
+
+    def steps(n):
+        ran.append(n)
+        sampler.mj += 7.0 * n
+
+    rec = power.run_mode(steps, sampler, seconds=0.02, queued=queued, spin_mj_per_step=spin_mj)
+    assert rec["steps"] == len(ran) - 1 >= 1  # the first, untimed step is outside the window
+    assert rec["ms_per_step"] == 2.5
+    assert rec["joules_per_step"] == pytest.approx((7.0 - spin_mj) / 1e3)
+    assert rec["mean_watts"] == 695.0 and rec["power_capped_share"] == 0.5

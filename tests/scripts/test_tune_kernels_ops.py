@@ -119,3 +119,50 @@ def test_relative_error_of_zero_references_and_losses():
     assert rel_err(zero, zero) == 0.0
     assert rel_err(torch.ones(3, 2), zero) == float("inf")  # never a pass against a zero reference
     assert rel_err(torch.tensor(1.5), torch.tensor(2.0)) == pytest.approx(0.25)  # a 0-dim loss
+
+
+class _CountingSampler:
+    """A stand-in NVML sampler whose energy counter (mJ) the test's calls advance."""
+
+    def __init__(self):
+        self.mj = 0.0
+        self.samples = []
+
+    def energy_mj(self):
+        return self.mj
+
+    def __enter__(self):
+        self.samples = [(650.0, 1500, 0x4)]
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def test_energy_per_call_takes_the_reset_out(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # no GPU here: nothing to wait for
+    sampler = _CountingSampler()
+
+    def op():
+        sampler.mj += 3.0
+
+    def reset():
+        sampler.mj += 1.0
+
+    rec = kernel_tuning.energy_per_call(op, reset, sampler, seconds=0.01)
+    assert rec["joules"] == pytest.approx(3e-3)  # 4 mJ per op-and-reset, less the reset's 1 mJ
+    assert rec["reset_joules"] == pytest.approx(1e-3)
+    assert rec["steps"] >= 3 and rec["mean_watts"] == 650.0 and rec["power_capped_share"] == 1.0
+    alone = kernel_tuning.energy_per_call(op, kernel_tuning.nothing, sampler, seconds=0.0)
+    assert alone["joules"] == pytest.approx(3e-3) and "reset_joules" not in alone and alone["steps"] == 3
+
+
+def test_negative_energy_seconds_are_refused():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "tune_kernels.py"
+    done = subprocess.run([sys.executable, str(script), "--energy-seconds", "-1"], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 1 and "--energy-seconds must be >= 0, got -1.0" in done.stderr
