@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from benchlib import power
+from power_fakes import CountingSampler
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "power_probe.py"
 
@@ -84,29 +85,11 @@ class _FakeEvent:
         return 2.5
 
 
-class _CountingSampler:
-    """A stand-in sampler whose energy counter (mJ) the steps advance."""
-
-    def __init__(self):
-        self.mj = 100.0
-        self.samples = []
-
-    def energy_mj(self):
-        return self.mj
-
-    def __enter__(self):
-        self.samples = [(690.0, 1500, 0x4), (700.0, 1450, 0x0)]
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-
 @pytest.mark.parametrize("queued,spin_mj", [(False, 0.0), (True, 1.0)])
 def test_run_mode_counts_the_steps_energy(monkeypatch, queued, spin_mj):
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)  # no GPU here: the loop's bookkeeping only
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
-    sampler = _CountingSampler()
+    sampler = CountingSampler(samples=[(690.0, 1500, 0x4), (700.0, 1450, 0x0)], mj=100.0)
     ran = []
 
     def steps(n):

@@ -9,6 +9,7 @@ import torch
 from benchlib import kernel_tuning
 from benchlib.accuracy import rel_err
 from moe_testing import rel_error
+from power_fakes import CountingSampler
 
 T, D, H, E, K = 48, 32, 16, 5, 2
 
@@ -121,27 +122,9 @@ def test_relative_error_of_zero_references_and_losses():
     assert rel_err(torch.tensor(1.5), torch.tensor(2.0)) == pytest.approx(0.25)  # a 0-dim loss
 
 
-class _CountingSampler:
-    """A stand-in NVML sampler whose energy counter (mJ) the test's calls advance."""
-
-    def __init__(self):
-        self.mj = 0.0
-        self.samples = []
-
-    def energy_mj(self):
-        return self.mj
-
-    def __enter__(self):
-        self.samples = [(650.0, 1500, 0x4)]
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-
 def test_energy_per_call_takes_the_reset_out(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # no GPU here: nothing to wait for
-    sampler = _CountingSampler()
+    sampler = CountingSampler()
 
     def op():
         sampler.mj += 3.0
