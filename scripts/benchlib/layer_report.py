@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+from .nvml import SAMPLE_PERIOD_S
+
 
 def rewrite_report(path):
     """The markdown table and the chart of a saved run (its JSON at ``path``), written beside it."""
@@ -132,7 +134,8 @@ def power_lines(records):
     read = [r for r in records if r.get("power_fwdbwd")]
     if not read:
         return []
-    lines = ["", "Power over the timed back-to-back fwd+bwd steps (NVML, sampled every 20 ms). Where the power cap "
+    lines = ["", f"Power over the timed back-to-back fwd+bwd steps (NVML, sampled every {1e3 * SAMPLE_PERIOD_S:g} ms). "
+             "Where the power cap "
              "holds the clock down, the step time is its energy over the power the board allows, so J/step is what "
              "an implementation's speed there comes down to.", "",
              "| config | act | impl | fwd+bwd ms | J/step | mean W | SM MHz | power-capped |", "|---|---|---|---|---|---|---|---|"]

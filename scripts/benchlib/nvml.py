@@ -11,12 +11,13 @@ import threading
 import time
 
 POWER_CAP_REASONS = 0x4 | 0x80  # NVML clocks-event reasons: software power cap, hardware power brake
+SAMPLE_PERIOD_S = 0.02  # between a Sampler's readings, by default
 
 
 class Sampler:
     """NVML readings of one GPU every ``period`` seconds on a thread, and its energy counter."""
 
-    def __init__(self, index, period=0.02):
+    def __init__(self, index, period=SAMPLE_PERIOD_S):
         try:
             import pynvml
         except ImportError as exc:
