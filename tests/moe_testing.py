@@ -267,6 +267,74 @@ def row_gemm_layer(plan, tokens, d, h, activation, dtype, seed, config, device="
     return pre, hid, out2, hs, dpre, ds, dx
 
 
+# Pre-activations where the sigmoid saturates or its exponential leaves float32's range (2^128 at
+# g = -88.7; denormal sigmoids below g = -87.3), and ordinary ones.
+SATURATING_PRE = (-1e4, -200.0, -100.0, -90.0, -88.5, -87.0, -30.0, -5.0, -0.5, 0.0, 0.5, 5.0, 30.0, 90.0, 200.0, 1e4)
+
+
+def check_saturated_activations(device, dtype, activation, config=None, warp_specialize=None, seed=0):
+    """The fused activation epilogues at saturating pre-activations, element by element against
+    float64: fc1's forward on pre-activations up to +-1000 (weights scaled up), then dH's backward
+    on saved pre-activations holding every value of SATURATING_PRE. dH = dY @ fc2 has positive
+    terms only (no cancellation), so every element holds to a relative bound. ``config``: one
+    tile config (row_gemm_with), else the hot path's launch with ``warp_specialize``."""
+    from moeblaze_megatron import build_routing_plan
+    from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD, row_gemm_ds_tiles
+    from moeblaze_megatron.kernels.tuning import row_gemm_with
+
+    # h off every tile width; d = 128 for the warp-specialized kernel (K at least two 64-wide stages).
+    tokens, E, K, d, h = 24, 3, 2, 128 if warp_specialize else 64, 40
+    g = torch.Generator().manual_seed(seed)
+    plan = build_routing_plan(torch.rand(tokens, E, generator=g).topk(K, dim=1).indices.to(device), E)
+    rows = plan.expert_token_indices.shape[0]
+    width = 2 * h if activation == "swiglu" else h
+    on = lambda t: t.to(dtype).to(device)  # noqa: E731
+    extra = {} if config is not None else {"warp_specialize": warp_specialize}
+    # rtol: the storage rounding of dH and of each output (2^-9 each in bf16), float32's sums.
+    rtol, atol = (1e-5, 1e-30) if dtype == torch.float32 else (2.0**-6, 1e-30)
+
+    def close(got, want, scale=None):
+        want = want.to(got.device)
+        bound = rtol * (want.abs() if scale is None else scale.to(got.device)) + atol
+        err = (got.double() - want).abs()
+        assert not got.isnan().any() and (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g}"
+
+    src = plan.expert_token_indices.long()
+    expert = torch.repeat_interleave(torch.arange(E, device=device), plan.expert_token_offsets.diff().long())
+    x = on(torch.randn(tokens, d, generator=g))
+    fc1 = on(torch.randn(E, width, d, generator=g) * (100.0 * d**-0.5))
+    pre = torch.full((rows, width), float("nan"), dtype=dtype, device=device)
+    hid = torch.full((rows, h), float("nan"), dtype=dtype, device=device)
+    row_gemm_with(config, x, fc1, hid, plan, transpose_weight=True, epilogue=EPI_ACT_FWD, activation=activation,
+                  pre=pre, n=h, **extra)
+    pre64 = torch.einsum("rk,rnk->rn", x.double()[src], fc1.double()[expert])
+    close(pre, pre64, scale=torch.einsum("rk,rnk->rn", x.double().abs()[src], fc1.double().abs()[expert]))
+    assert pre.double().abs().max() > 200  # the sigmoid saturates on some
+    close(hid, _activation64(pre.double(), activation))
+
+    dy = on(torch.rand(tokens, d, generator=g))
+    fc2 = on(torch.rand(E, d, h, generator=g) * d**-0.5)
+    saved = torch.randn(rows, width, generator=g)
+    picks = torch.tensor(SATURATING_PRE)[torch.randperm(rows * h, generator=g) % len(SATURATING_PRE)]
+    saved[:, :h] = picks.view(rows, h)
+    saved = on(saved)
+    probs = on(torch.rand(rows, generator=g))
+    d_pre = saved.clone()
+    c = torch.full((rows, h), float("nan"), dtype=dtype, device=device)
+    ds = torch.zeros(rows, row_gemm_ds_tiles(h), device=device)
+    row_gemm_with(config, dy, fc2, c, plan, transpose_weight=False, epilogue=EPI_ACT_BWD, activation=activation,
+                  pre=d_pre, probs_sorted=probs, ds_partial=ds, n=h, **extra)
+    dh64 = torch.einsum("rk,rkn->rn", dy.double()[src], fc2.double()[expert])
+    pre64 = saved.double().requires_grad_()
+    act64 = _activation64(pre64, activation)
+    p64 = probs.double()[:, None]
+    (d_pre64,) = torch.autograd.grad(act64, pre64, dh64 * p64)
+    close(d_pre, d_pre64)
+    close(c, p64 * act64.detach())
+    terms = dh64 * act64.detach()
+    close(ds.sum(1), terms.sum(1), scale=terms.abs().sum(1))
+
+
 def per_expert_weight_grad64(tokens: torch.Tensor, rows: torch.Tensor, plan, gather_a: bool) -> torch.Tensor:
     """float64 oracle of a weight gradient with one gathered operand: for each expert e,
     ``tokens[idx(e)]^T @ rows(e)`` (gather_a) or ``rows(e)^T @ tokens[idx(e)]``; zeros for an

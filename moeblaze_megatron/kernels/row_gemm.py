@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged, to_ragged_indices
 
-from .activations import act, act_grad, silu_parts
+from .activations import act, act_bwd
 from .configs import (
     ACT_GELU,
     ACT_SILU,
@@ -309,16 +309,9 @@ def _act_bwd_chunk(acc, g, up, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_c
     cols = col0 + tl.arange(0, acc.shape[1])
     mask = row_ok[:, None] & (cols < N)[None, :]
     pre_ptrs = pre_ptr + r64[:, None] * stride_pm + cols[None, :]
-    dh = acc * p[:, None]
+    h, d_pre, d_up = act_bwd(acc * p[:, None], g, up.to(tl.float32), ACT, GLU)
     if GLU:
-        up = up.to(tl.float32)
-        sig, silu = silu_parts(g)
-        h = silu * up
-        tl.store(pre_ptrs + N, to_storage(dh * silu, out_dtype, MEND_BF16), mask=mask)
-        d_pre = dh * up * sig * (1.0 + g * (1.0 - sig))
-    else:
-        h = act(g, ACT)
-        d_pre = dh * act_grad(g, ACT)
+        tl.store(pre_ptrs + N, to_storage(d_up, out_dtype, MEND_BF16), mask=mask)
     tl.store(pre_ptrs, to_storage(d_pre, out_dtype, MEND_BF16), mask=mask)
     tl.store(c_ptr + r64[:, None] * stride_cm + cols[None, :], to_storage(h * p[:, None], out_dtype, MEND_BF16),
              mask=mask)

@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.language.core import _aggregate as aggregate
 
 from .configs import ACT_BWD_BLOCK_N, EPI_ACT_BWD, EPI_ACT_FWD, EPI_STORE  # EPI_STORE: a diagnostic here
-from .activations import act, act_grad, silu_parts  # Triton functions: Gluon calls them as they are
+from .activations import act, act_bwd  # Triton functions: Gluon calls them as they are
 
 # The Triton 3.6 name of the TMA load (3.8 calls it async_load).
 _tma_load = getattr(tma, "async_copy_global_to_shared", None) or tma.async_load
@@ -435,17 +435,9 @@ def _epilogue_bwd(p: _Problem, s: _Shared):
             dh_raw = s.acc_buf.index(c).load(layout).to(gl.float32)
             mask = row_ok[:, None] & (cols < p.N)[None, :]
             pre_ptrs = p.pre_ptr + r64[:, None] * p.stride_pm + cols[None, :]
-            gf = g.to(gl.float32)
-            dh = dh_raw * prob[:, None]
+            h, d_pre, d_up = act_bwd(dh_raw * prob[:, None], g.to(gl.float32), up.to(gl.float32), p.ACT, p.GLU)
             if p.GLU:
-                upf = up.to(gl.float32)
-                sig, silu = silu_parts(gf)
-                h = silu * upf
-                gl.store(pre_ptrs + p.N, (dh * silu).to(out_dtype), mask=mask)
-                d_pre = dh * upf * sig * (1.0 + gf * (1.0 - sig))
-            else:
-                h = act(gf, p.ACT)
-                d_pre = dh * act_grad(gf, p.ACT)
+                gl.store(pre_ptrs + p.N, d_up.to(out_dtype), mask=mask)
             gl.store(pre_ptrs, d_pre.to(out_dtype), mask=mask)
             gl.store(p.c_ptr + r64[:, None] * p.stride_cm + cols[None, :], (h * prob[:, None]).to(out_dtype),
                      mask=mask)

@@ -13,7 +13,7 @@ os.environ.setdefault("MOEBLAZE_AUTOTUNE", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from moe_testing import per_expert_weight_grad64  # noqa: E402
+from moe_testing import check_saturated_activations, per_expert_weight_grad64  # noqa: E402
 from moeblaze_megatron import build_routing_plan, moe_mlp  # noqa: E402
 from moeblaze_megatron.kernels.knobs import KNOBS  # noqa: E402
 from moeblaze_megatron.reference import ReferenceMoEMLP  # noqa: E402
@@ -292,3 +292,18 @@ def test_gate_up_halves_match_the_stacked_weight(T, d, h, E, K, recompute):
         assert torch.isfinite(a).all(), name
         assert torch.equal(a, b), f"{name}: a second run differs"
         assert torch.equal(a, c), f"{name}: {_rel(a, c):.2e} from the stacked weight's"
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "silu"])  # GELU has no sigmoid
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("warp_specialize", [False, True], ids=["triton", "gluon"])
+def test_activations_where_the_sigmoid_saturates(activation, dtype, warp_specialize):
+    """The flush-to-zero exponential and approximate reciprocal of the epilogues' sigmoid at
+    pre-activations from -1e4 to 1e4, element by element against float64, in both kernels."""
+    from moeblaze_megatron.kernels.row_gemm_ws import on_hopper
+
+    if warp_specialize and not on_hopper(torch.cuda.get_device_capability()):
+        pytest.skip("the warp-specialized kernel needs a Hopper GPU")
+    if warp_specialize and dtype == torch.float32:
+        pytest.skip("the warp-specialized kernel runs 16-bit dtypes only")
+    check_saturated_activations("cuda", dtype, activation, warp_specialize=warp_specialize)

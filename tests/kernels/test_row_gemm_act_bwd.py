@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 
-from moe_testing import rel_error
+from moe_testing import check_saturated_activations, rel_error
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD
 from moeblaze_megatron.kernels.tuning import row_gemm_with
@@ -72,3 +72,14 @@ def test_activation_backward_matches_float64_at_every_tile_width(block_n, activa
     # Rows of unused slots: nothing written (pre keeps its values, the poison stays).
     assert torch.equal(d_pre[used:], pre[used:])
     assert c[used:].isnan().all() and ds[used:].isnan().all()
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "silu"])  # GELU has no sigmoid
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")  # numpy's 2^x -> inf, meant
+def test_activations_where_the_sigmoid_saturates(activation, dtype):
+    """Pre-activations from -1e4 to 1e4 (the exponential past float32's range, denormal sigmoids)
+    through both fused epilogues, element by element against float64 (the GPU's flush-to-zero
+    sigmoid runs the same check in tests/gpu)."""
+    config = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4)
+    check_saturated_activations("cpu", dtype, activation, config=config)
