@@ -168,7 +168,9 @@ def build_routing_plan(
     the three-step build; the CPU path and the test oracle) or ``"auto"`` (the fastest that
     applies).
     ``validate=False`` skips the range and distinctness checks of the ids, and with them the
-    only device-to-host synchronization; invalid ids then give an undefined plan.
+    only device-to-host synchronization; invalid ids then give an undefined plan. (With the
+    compile workers running, the first plan of a kind, while the Triton build's kernels compile,
+    is built by the PyTorch path, which synchronizes once: every method gives the same plan.)
     """
     if method not in ROUTING_METHODS:
         raise ValueError(f"method must be one of {ROUTING_METHODS}, got {method!r}")
@@ -181,31 +183,40 @@ def build_routing_plan(
         from .kernels.plan_sort import sort_routing_plan as build
     else:
         return torch_routing_plan(topk_ids, num_experts)
-    _prefetch_plan_kernels(build, topk_ids, num_experts)
+    if (_prefetch_plan_kernels(build, topk_ids, num_experts) and num_experts * topk_ids.shape[0] <= TORCH_PLAN_MAX_CELLS
+            and not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing())):
+        # The build's kernels have just gone to the compile workers: this first plan of its kind
+        # is the PyTorch build's (the same plan, bit for bit), so that the layer's own kernels
+        # can go to the workers now, not ~3 s later when the plan's have compiled.
+        return torch_routing_plan(topk_ids, num_experts)
     return RoutingPlan(*build(topk_ids, num_experts))
 
+
+# The largest first plan (experts x tokens) built in PyTorch while the Triton build compiles: its
+# dense map and scans take ~13 bytes a cell (2**24 cells: ~220 MB, once).
+TORCH_PLAN_MAX_CELLS = 2**24
 
 # The plan builds whose kernels were handed to the compile workers.
 _prefetched: set = set()
 
 
-def _prefetch_plan_kernels(build, topk_ids, num_experts) -> None:
+def _prefetch_plan_kernels(build, topk_ids, num_experts) -> bool:
     """At the first plan of its kind, with the compile workers started, hand the build's few kernels to
     the workers at once (they then compile side by side, not one after another as each launch
-    comes). The kind: the build, ids' dtype, K, E, the token count's power-of-two bucket and
-    16-divisibility (what the kernels specialize on)."""
+    comes); returns whether any went. The kind: the build, ids' dtype, K, E, the token count's
+    power-of-two bucket and 16-divisibility (what the kernels specialize on)."""
     if not topk_ids.is_cuda:
-        return
+        return False
     from .kernels import compile_workers, launch
 
     num_tokens = topk_ids.shape[0]
     key = (build, topk_ids.device, topk_ids.dtype, topk_ids.shape[1], num_experts, launch.next_pow2(num_tokens),
            num_tokens % 16)
     if key in _prefetched or not compile_workers.running():
-        return
+        return False
     _prefetched.add(key)
     ids = launch.stand_in(topk_ids)
-    launch.prefetch(launch.recorded_launches(topk_ids.device, lambda: build(ids, num_experts)))
+    return launch.prefetch(launch.recorded_launches(topk_ids.device, lambda: build(ids, num_experts))) > 0
 
 
 def choose_routing_method(topk_ids: torch.Tensor, num_experts: int) -> str:

@@ -78,6 +78,33 @@ def test_the_predicted_launches_are_the_passes_own(monkeypatch, activation, pair
     assert [_signature(c.kernel, c.constexprs, c.args) for c in forward_only] == made[:len(forward_only)] < made
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_recording_the_launches_imports_no_sympy(grouped):
+    """The layer's launches are recorded before any goes to the compile workers: nothing on that
+    path may import sympy (seconds on the GPU machine, with no compile in flight: conf4's first
+    call, whose weight gradients take torch's grouped GEMM, waited 5.6 s there). In a fresh
+    interpreter; ``grouped`` forces the weight gradients' grouped-GEMM path, which the GPU takes
+    for experts at least as wide as the model."""
+    probe = (
+        "import sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from moeblaze_megatron import fused\n"
+        "from test_compile_workers import _layer\n"
+        "x, probs, fc1, fc2, plan = _layer('swiglu', False)\n"
+        f"if {grouped}: fused.grouped_weight_grads_apply = lambda x, ffn: True\n"
+        "calls = fused.layer_launches(x, probs, fc1, fc2, plan, 'swiglu', 'activation', (True,) * 4)\n"
+        "names = [getattr(getattr(c.kernel, 'fn', c.kernel), '__name__', '?') for c in calls]\n"
+        "print('sympy' in sys.modules, names.count('weight_grad_kernel'), len(names))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", probe, str(Path(__file__).parent)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sympy, weight_grads, total = out.stdout.split()
+    assert sympy == "False"
+    assert int(weight_grads) == (0 if grouped else 2) and int(total) >= 6  # the grouped GEMM is torch's
+
+
 @pytest.mark.parametrize("method", ["three_step", "sort"])
 def test_the_predicted_plan_launches_are_the_builds_own(monkeypatch, method):
     from moeblaze_megatron.kernels.plan_sort import sort_routing_plan

@@ -11,7 +11,9 @@ import torch
 from moe_testing import per_expert_weight_grad64, rel_error
 from moeblaze_megatron import build_routing_plan, fused, moe_mlp
 from moeblaze_megatron.kernels import weight_grad as wg
+from moeblaze_megatron.kernels.launch import stand_in
 from moeblaze_megatron.kernels.row_gemm import expert_order_gemm
+from moeblaze_megatron.routing import RoutingPlan
 
 
 def _ids(T, E, K, kind, gen):
@@ -89,6 +91,10 @@ def test_gathered_weight_grad_matches_float64_per_expert(gather_a, kind):
     for e in range(E):
         if offsets[e] == offsets[e + 1]:
             assert (out[e] == 0).all()
+    # On meta stand-ins (the layer's recorded launches) the same shape and dtype, nothing run.
+    meta_plan = RoutingPlan(*map(stand_in, plan.tensors()))
+    meta = wg.gathered_weight_grad(stand_in(a), stand_in(b), meta_plan, gather_a=gather_a, buffer=stand_in(buffer))
+    assert meta.is_meta and meta.shape == out.shape and meta.dtype == out.dtype
 
 
 def test_grouped_weight_grads_apply_to_wide_bfloat16_experts_on_hopper_only(monkeypatch):
