@@ -187,7 +187,8 @@ def build_routing_plan(
             and not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing())):
         # The build's kernels have just gone to the compile workers: this first plan of its kind
         # is the PyTorch build's (the same plan, bit for bit), so that the layer's own kernels
-        # can go to the workers now, not ~3 s later when the plan's have compiled.
+        # can go to the workers now, not once the plan's have compiled (benchmarks/NOTES.md,
+        # twenty-sixth session).
         return torch_routing_plan(topk_ids, num_experts)
     return RoutingPlan(*build(topk_ids, num_experts))
 

@@ -93,8 +93,8 @@ def gathered_weight_grad(a, b, plan, *, gather_a, buffer):
     Rows of unused slots (past the plan's last offset) are outside every group: not read."""
     if a.is_meta:
         # A layer's launches recorded on meta stand-ins (fused.layer_launches): no kernel of ours
-        # here, only the result's shape; index_select's meta kernel imports sympy, seconds before
-        # the layer's kernels go to the compile workers.
+        # here, only the result's shape; index_select's meta kernel imports sympy, which would
+        # delay handing the layer's kernels to the compile workers.
         return a.new_empty(plan.num_experts, a.shape[1], b.shape[1])
     # An unused slot's -1 would fail index_select; its row is never read.
     index = plan.expert_token_indices.clamp(min=0)

@@ -81,8 +81,8 @@ def test_the_predicted_launches_are_the_passes_own(monkeypatch, activation, pair
 @pytest.mark.parametrize("grouped", [False, True])
 def test_recording_the_launches_imports_no_sympy(grouped):
     """The layer's launches are recorded before any goes to the compile workers: nothing on that
-    path may import sympy (seconds on the GPU machine, with no compile in flight: conf4's first
-    call, whose weight gradients take torch's grouped GEMM, waited 5.6 s there). In a fresh
+    path may import sympy (it delayed conf4's first call, whose weight gradients take torch's
+    grouped GEMM: benchmarks/NOTES.md, twenty-sixth session). In a fresh
     interpreter; ``grouped`` forces the weight gradients' grouped-GEMM path, which the GPU takes
     for experts at least as wide as the model."""
     probe = (
