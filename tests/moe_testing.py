@@ -535,3 +535,13 @@ class RaiseInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+
+def weight_grad_reference(a, b, plan, gathered: str) -> torch.Tensor:
+    """The float64 per-expert reduction A[rows(e)]^T @ B[rows(e)], the token-row operand
+    (``gathered``: "a" or "b") gathered through the plan: the weight-gradient kernel's oracle."""
+    idx = plan.expert_token_indices.long()
+    bounds = plan.expert_token_offsets.tolist()
+    a64 = a.double()[idx] if gathered == "a" else a.double()
+    b64 = b.double()[idx] if gathered == "b" else b.double()
+    return torch.stack([a64[lo:hi].T @ b64[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])])

@@ -49,6 +49,13 @@ WGRAD_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
     (128, 256, 64, 8, 4), (128, 256, 64, 8, 5), (256, 128, 64, 8, 4), (256, 128, 64, 8, 5),
     (128, 128, 32, 8, 6), (64, 128, 64, 4, 5), (128, 64, 64, 4, 5), (128, 128, 128, 8, 4),
     (256, 128, 32, 8, 8), (128, 256, 32, 8, 8),
+    # One program per multiprocessor walking its tiles in one flat loop (the next tile's loads in
+    # flight during this one's store).
+    (256, 128, 32, 8, 8, {"PERSISTENT": True}), (128, 256, 32, 8, 8, {"PERSISTENT": True}),
+    (256, 128, 64, 8, 5, {"PERSISTENT": True}), (128, 256, 64, 8, 5, {"PERSISTENT": True}),
+    (256, 128, 32, 8, 6, {"PERSISTENT": True}),
+    # Two 8-warp programs per multiprocessor: shared memory for two, registers capped at 128.
+    (128, 128, 64, 8, 3, {"maxnreg": 128}), (128, 128, 32, 8, 5, {"maxnreg": 128}),
 ]
 
 
@@ -61,9 +68,13 @@ def row_config(bm, bn, bk, gm, w, s, extra=None):
                          num_warps=w, num_stages=s, maxnreg=maxnreg)
 
 
-def wgrad_config(bm, bn, bk, w, s):
-    """A weight-gradient ``triton.Config`` from a WGRAD_CONFIGS entry."""
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+def wgrad_config(bm, bn, bk, w, s, extra=None):
+    """A weight-gradient ``triton.Config`` from a WGRAD_CONFIGS entry (``maxnreg`` among the extras
+    caps the registers per thread)."""
+    extra = dict(extra or {})
+    maxnreg = extra.pop("maxnreg", None)
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, **extra}, num_warps=w, num_stages=s,
+                         maxnreg=maxnreg)
 
 
 def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):

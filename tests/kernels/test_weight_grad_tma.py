@@ -9,7 +9,7 @@ import torch
 import triton
 from triton.tools.ragged_tma import create_ragged_descriptor
 
-from moe_testing import rel_error
+from moe_testing import rel_error, weight_grad_reference
 from moeblaze_megatron import build_routing_plan, moe_mlp
 from moeblaze_megatron.kernels import configs as cf
 from moeblaze_megatron.kernels import weight_grad as wg
@@ -47,11 +47,7 @@ def test_tma_variant_matches_pointer_loads_and_float64(dtype, kind, gathered):
         weight_grad_with(CONFIG, a, b, out, plan, tma=tma, **flags)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
-    idx = plan.expert_token_indices.long()
-    lo_hi = plan.expert_token_offsets.tolist()
-    a64 = a.double()[idx] if gathered == "a" else a.double()
-    b64 = b.double()[idx] if gathered == "b" else b.double()
-    expected = torch.stack([a64[lo:hi].T @ b64[lo:hi] for lo, hi in zip(lo_hi[:-1], lo_hi[1:])])
+    expected = weight_grad_reference(a, b, plan, gathered)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert rel_error(outs[1], expected) < tol
     if kind == "one_expert_empty":
