@@ -14,63 +14,13 @@ import triton
 import triton.language as tl
 from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
 
-from .configs import capability, prune_weight_grad, ragged_tma_takes, sm_count, weight_grad_configs
+from .configs import capability, prune_weight_grad, ragged_tma_takes, weight_grad_configs
 from .launch import KernelCall, cdiv, gpu_of, launch_call, next_pow2
 from .numerics import dot, dot_flags, to_storage
 
 __all__ = ["gathered_weight_grad", "grouped_weight_grads_apply", "weight_grad", "weight_grad_call",
            "weight_grad_kernel"]
 
-
-
-@triton.jit
-def _wgrad_step(acc, a_ptr, b_ptr, token_idx_ptr, lo, hi, r0, pid_m, pid_n, M, N, stride_am, stride_bm,
-                GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += A[rows r0 .. r0 + BLOCK_K of the expert [lo, hi)]^T @ B[the same rows] for one tile."""
-    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = r0 + tl.arange(0, BLOCK_K)
-    r_ok = rows < hi
-    if GATHER_A or GATHER_B:
-        tok = tl.load(token_idx_ptr + rows, mask=r_ok, other=0).to(tl.int64)
-    if TMA and not GATHER_A:
-        a = tl.trans(load_ragged(a_ptr, lo, hi - lo, [r0 - lo, pid_m * BLOCK_M]))
-    else:
-        src_a = tok if GATHER_A else rows.to(tl.int64)
-        a = tl.load(a_ptr + src_a[None, :] * stride_am + ms[:, None], mask=(ms < M)[:, None] & r_ok[None, :],
-                    other=0.0)
-    if TMA and not GATHER_B:
-        b = load_ragged(b_ptr, lo, hi - lo, [r0 - lo, pid_n * BLOCK_N])
-    else:
-        src_b = tok if GATHER_B else rows.to(tl.int64)
-        b = tl.load(b_ptr + src_b[:, None] * stride_bm + ns[None, :], mask=r_ok[:, None] & (ns < N)[None, :],
-                    other=0.0)
-    return dot(a, b, acc, PRECISION)
-
-
-@triton.jit
-def _wgrad_store(acc, c_ptr, e, pid_m, pid_n, M, N, stride_ce, stride_cm, MEND_BF16: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + ms[:, None].to(tl.int64) * stride_cm + ns[None, :]
-    tl.store(c_ptrs, to_storage(acc, c_ptr.dtype.element_ty, MEND_BF16), mask=(ms < M)[:, None] & (ns < N)[None, :])
-
-
-@triton.jit
-def _programs_steps(offsets_ptr, pid, programs, tiles, E, BLOCK_K: tl.constexpr, E_POW2: tl.constexpr):
-    """The reduction steps program ``pid`` runs over its work items ``pid, pid + programs, ...``
-    (item i: expert i // tiles), each item at least one step (an expert without rows still
-    stores its zeros)."""
-    e_idx = tl.arange(0, E_POW2)
-    lo = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0)
-    hi = tl.load(offsets_ptr + e_idx + 1, mask=e_idx < E, other=0)
-    steps = tl.maximum((hi - lo + BLOCK_K - 1) // BLOCK_K, 1)
-    # Items of this program in [e * tiles, (e + 1) * tiles): those below (e + 1) * tiles minus those below e * tiles.
-    below_hi = tl.maximum((e_idx + 1) * tiles - pid + programs - 1, 0) // programs
-    below_lo = tl.maximum(e_idx * tiles - pid + programs - 1, 0) // programs
-    return tl.sum(tl.where(e_idx < E, (below_hi - below_lo) * steps, 0), axis=0)
 
 
 @triton.autotune(
@@ -84,61 +34,46 @@ def weight_grad_kernel(
     rows_bucket, M, N, E,
     stride_am, stride_bm, stride_ce, stride_cm,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TMA: tl.constexpr, MEND_BF16: tl.constexpr,
-    PRECISION: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr = False,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """c[e, m, n] = sum over rows r of expert e of A[srcA(r), m] * B[srcB(r), n].
 
     A and B have unit column stride; ``src`` is the token id (GATHER_*) or r. Experts with no rows
     get zeros. ``TMA``: the operand that is not gathered is a ragged TMA descriptor (rows past the
     expert's read as zeros by the hardware) instead of a pointer.
-    ``PERSISTENT``: one program per multiprocessor walks its work items (expert, output tile) in
-    one flat loop of reduction steps, storing a tile where its expert's rows end, so the next
-    tile's loads are already in flight during this one's store (a nested loop with a per-expert
-    trip count is not pipelined across tiles). Each tile's sum runs in the same order either way.
     """
+    pid_mn = tl.program_id(0)
+    e = tl.program_id(1)
     n_tiles = tl.cdiv(N, BLOCK_N)
-    if PERSISTENT:
-        tiles = tl.cdiv(M, BLOCK_M) * n_tiles
-        programs = tl.num_programs(0)
-        total = _programs_steps(offsets_ptr, tl.program_id(0), programs, tiles, E, BLOCK_K, E_POW2)
-        item = tl.program_id(0) - programs
-        e = 0
-        pid_m = 0
-        pid_n = 0
-        lo = 0
-        hi = 0
-        k = 0
-        steps = 0
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, total):
-            if k == steps:  # the next work item
-                item += programs
-                e = item // tiles
-                pid_m = (item % tiles) // n_tiles
-                pid_n = (item % tiles) % n_tiles
-                lo = tl.load(offsets_ptr + e)
-                hi = tl.load(offsets_ptr + e + 1)
-                steps = tl.maximum((hi - lo + BLOCK_K - 1) // BLOCK_K, 1)
-                k = 0
-            acc = _wgrad_step(acc, a_ptr, b_ptr, token_idx_ptr, lo, hi, lo + k * BLOCK_K, pid_m, pid_n, M, N,
-                              stride_am, stride_bm, GATHER_A, GATHER_B, TMA, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-            k += 1
-            if k == steps:
-                _wgrad_store(acc, c_ptr, e, pid_m, pid_n, M, N, stride_ce, stride_cm, MEND_BF16, BLOCK_M, BLOCK_N)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        pid_mn = tl.program_id(0)
-        e = tl.program_id(1)
-        pid_m = pid_mn // n_tiles
-        pid_n = pid_mn % n_tiles
-        lo = tl.load(offsets_ptr + e)
-        hi = tl.load(offsets_ptr + e + 1)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(lo, hi, BLOCK_K):
-            acc = _wgrad_step(acc, a_ptr, b_ptr, token_idx_ptr, lo, hi, r0, pid_m, pid_n, M, N, stride_am, stride_bm,
-                              GATHER_A, GATHER_B, TMA, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-        _wgrad_store(acc, c_ptr, e, pid_m, pid_n, M, N, stride_ce, stride_cm, MEND_BF16, BLOCK_M, BLOCK_N)
+    pid_m = pid_mn // n_tiles
+    pid_n = pid_mn % n_tiles
+    lo = tl.load(offsets_ptr + e)
+    hi = tl.load(offsets_ptr + e + 1)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = ms < M
+    n_ok = ns < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(lo, hi, BLOCK_K):
+        rows = r0 + tl.arange(0, BLOCK_K)
+        r_ok = rows < hi
+        if GATHER_A or GATHER_B:
+            tok = tl.load(token_idx_ptr + rows, mask=r_ok, other=0).to(tl.int64)
+        if TMA and not GATHER_A:
+            a = tl.trans(load_ragged(a_ptr, lo, hi - lo, [r0 - lo, pid_m * BLOCK_M]))
+        else:
+            src_a = tok if GATHER_A else rows.to(tl.int64)
+            a = tl.load(a_ptr + src_a[None, :] * stride_am + ms[:, None], mask=m_ok[:, None] & r_ok[None, :],
+                        other=0.0)
+        if TMA and not GATHER_B:
+            b = load_ragged(b_ptr, lo, hi - lo, [r0 - lo, pid_n * BLOCK_N])
+        else:
+            src_b = tok if GATHER_B else rows.to(tl.int64)
+            b = tl.load(b_ptr + src_b[:, None] * stride_bm + ns[None, :], mask=r_ok[:, None] & n_ok[None, :],
+                        other=0.0)
+        acc = dot(a, b, acc, PRECISION)
+    c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + ms[:, None].to(tl.int64) * stride_cm + ns[None, :]
+    tl.store(c_ptrs, to_storage(acc, c_ptr.dtype.element_ty, MEND_BF16), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def grouped_weight_grads_apply(x, ffn: int) -> bool:
@@ -158,8 +93,8 @@ def gathered_weight_grad(a, b, plan, *, gather_a, buffer):
     Rows of unused slots (past the plan's last offset) are outside every group: not read."""
     if a.is_meta:
         # A layer's launches recorded on meta stand-ins (fused.layer_launches): no kernel of ours
-        # here, only the result's shape; index_select's meta kernel imports sympy, which would
-        # delay handing the layer's kernels to the compile workers.
+        # here, only the result's shape; index_select's meta kernel imports sympy, seconds before
+        # the layer's kernels go to the compile workers.
         return a.new_empty(plan.num_experts, a.shape[1], b.shape[1])
     # An unused slot's -1 would fail index_select; its row is never read.
     index = plan.expert_token_indices.clamp(min=0)
@@ -185,12 +120,7 @@ def weight_grad_call(a, b, out, plan, *, gather_a, gather_b, tma=None) -> Kernel
     num_experts = plan.num_experts
     mend, precision = dot_flags(a.dtype)
     rows_total = plan.expert_token_indices.shape[0]
-    device = gpu_of(a) or a.device
-
-    def grid(meta):
-        tiles = cdiv(m_dim, meta["BLOCK_M"]) * cdiv(n_dim, meta["BLOCK_N"])
-        return (min(tiles * num_experts, sm_count(device)),) if meta.get("PERSISTENT") else (tiles, num_experts)
-
+    grid = lambda meta: (cdiv(m_dim, meta["BLOCK_M"]) * cdiv(n_dim, meta["BLOCK_N"]), num_experts)
     strides = (a.stride(0), b.stride(0), out.stride(0), out.stride(1))
     name, ordered = ("a", a) if gather_b else ("b", b)
     if tma is None:
@@ -215,6 +145,5 @@ def weight_grad_call(a, b, out, plan, *, gather_a, gather_b, tma=None) -> Kernel
         a, b, out, plan.expert_token_indices, plan.expert_token_offsets,
         next_pow2(rows_total), m_dim, n_dim, num_experts, *strides,
     )
-    constexprs = dict(GATHER_A=gather_a, GATHER_B=gather_b, TMA=tma, MEND_BF16=mend, PRECISION=precision,
-                      E_POW2=max(next_pow2(num_experts), 16))
+    constexprs = dict(GATHER_A=gather_a, GATHER_B=gather_b, TMA=tma, MEND_BF16=mend, PRECISION=precision)
     return KernelCall(weight_grad_kernel, grid, args, constexprs)

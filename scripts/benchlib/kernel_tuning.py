@@ -44,16 +44,11 @@ ROW_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages[, o
     (128, 128, 64, 8, 8, 2, {"maxnreg": 128}), (128, 128, 64, 8, 8, 3, {"maxnreg": 128}),
     (128, 128, 32, 8, 8, 4, {"maxnreg": 128}), (64, 128, 64, 8, 4, 3, {"maxnreg": 128}),
 ]
-WGRAD_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+WGRAD_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, extras: maxnreg]
     (128, 128, 64, 8, 4), (128, 128, 64, 8, 5), (128, 128, 64, 8, 6),
     (128, 256, 64, 8, 4), (128, 256, 64, 8, 5), (256, 128, 64, 8, 4), (256, 128, 64, 8, 5),
     (128, 128, 32, 8, 6), (64, 128, 64, 4, 5), (128, 64, 64, 4, 5), (128, 128, 128, 8, 4),
     (256, 128, 32, 8, 8), (128, 256, 32, 8, 8),
-    # One program per multiprocessor walking its tiles in one flat loop (the next tile's loads in
-    # flight during this one's store).
-    (256, 128, 32, 8, 8, {"PERSISTENT": True}), (128, 256, 32, 8, 8, {"PERSISTENT": True}),
-    (256, 128, 64, 8, 5, {"PERSISTENT": True}), (128, 256, 64, 8, 5, {"PERSISTENT": True}),
-    (256, 128, 32, 8, 6, {"PERSISTENT": True}),
     # Two 8-warp programs per multiprocessor: shared memory for two, registers capped at 128.
     (128, 128, 64, 8, 3, {"maxnreg": 128}), (128, 128, 32, 8, 5, {"maxnreg": 128}),
 ]
