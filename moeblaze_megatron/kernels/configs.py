@@ -18,6 +18,8 @@ from .knobs import KNOBS
 from .launch import box_hook, gpu_of
 
 EPI_STORE, EPI_ACT_FWD, EPI_ACT_BWD = 0, 1, 2
+# The fused epilogues by the names MOEBLAZE_WARP_SPECIALIZE takes (knobs.WARP_SPECIALIZE_CHOICES).
+WS_EPILOGUES = {EPI_ACT_FWD: "fwd", EPI_ACT_BWD: "bwd"}
 ACT_SWIGLU, ACT_SILU, ACT_GELU = 0, 1, 2
 ACTIVATION_IDS = {"swiglu": ACT_SWIGLU, "silu": ACT_SILU, "gelu": ACT_GELU}
 

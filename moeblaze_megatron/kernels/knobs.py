@@ -9,11 +9,13 @@ whole set at its first call, an autotuned launch's configs before they are timed
 compile_workers.py). Default: this rank's share of the CPUs (the CPU count over torchrun's
 LOCAL_WORLD_SIZE), at most 8; 0 compiles everything in the process, one kernel after another, as
 Triton does. (It replaced ``MOEBLAZE_COMPILE_THREADS``, which is refused with a pointer here.)
-``MOEBLAZE_WARP_SPECIALIZE=1``: on Hopper the fused-epilogue GEMMs (fc1 with the activation, dH
-with its backward) run in ``row_gemm_ws.py``'s Gluon kernel, whose epilogue runs in warps of its
-own beside the next tile's main loop, instead of the Triton kernel, whose epilogue runs in the
-warps that multiplied the tile (the same results but the router-gradient partials' last bits).
-Off by default: on the H200 it ties the Triton kernel, not yet ahead (benchmarks/NOTES.md).
+``MOEBLAZE_WARP_SPECIALIZE``: which fused-epilogue GEMMs run, on Hopper, in ``row_gemm_ws.py``'s
+Gluon kernel, whose epilogue runs in warps of its own beside the next tile's main loop, instead
+of the Triton kernel, whose epilogue runs in the warps that multiplied the tile (the same results
+but the router-gradient partials' last bits): ``fwd`` (the default: fc1 with the activation, the
+faster there on an H100), ``1`` (fc1 and dH with the activation
+backward), ``bwd`` (dH only) or ``0`` (neither), each where the layer is wide enough
+(``row_gemm.WS_MIN_COLUMNS``); benchmarks/NOTES.md has the measurements.
 ``TRITON_INTERPRET=1``: Triton runs the kernels on CPU tensors in its interpreter (how CI tests
 them); Triton itself reads it when a kernel is decorated, so it must be set before the import.
 
@@ -41,7 +43,8 @@ class Knobs:
     autotune: bool = True
     direct_launch: bool = True
     interpret: bool = False
-    warp_specialize: bool = False
+    # The fused epilogues (WS_EPILOGUES' names) that run in the warp-specialized kernel where it can.
+    warp_specialize: frozenset = frozenset({"fwd"})
     compile_workers: int = field(default_factory=default_compile_workers)
 
 
@@ -50,6 +53,18 @@ def _flag(environ: Mapping[str, str], name: str, default: str) -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+# MOEBLAZE_WARP_SPECIALIZE's values: the fused epilogues each one puts in the Gluon kernel.
+WARP_SPECIALIZE_CHOICES = {"0": frozenset(), "fwd": frozenset({"fwd"}), "bwd": frozenset({"bwd"}),
+                           "1": frozenset({"fwd", "bwd"})}
+
+
+def _choice(environ: Mapping[str, str], name: str, choices: Mapping[str, object], default: str):
+    value = environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return choices[value]
 
 
 def _count(environ: Mapping[str, str], name: str, default: int) -> int:
@@ -69,7 +84,7 @@ def read_knobs(environ: Mapping[str, str]) -> Knobs:
     return Knobs(
         autotune=_flag(environ, "MOEBLAZE_AUTOTUNE", "1"),
         direct_launch=_flag(environ, "MOEBLAZE_DIRECT_LAUNCH", "1"),
-        warp_specialize=_flag(environ, "MOEBLAZE_WARP_SPECIALIZE", "0"),
+        warp_specialize=_choice(environ, "MOEBLAZE_WARP_SPECIALIZE", WARP_SPECIALIZE_CHOICES, "fwd"),
         compile_workers=_count(environ, "MOEBLAZE_COMPILE_WORKERS", default_compile_workers(environ)),
         # Triton's own reading: anything but "1" runs the compiled kernels.
         interpret=environ.get("TRITON_INTERPRET") == "1",

@@ -34,6 +34,7 @@ from .configs import (
     EPI_ACT_FWD,
     EPI_STORE,
     TMA_ROWS_MIN_FLOPS,
+    WS_EPILOGUES,
     capability,
     prune_row_gemm,
     ragged_tma_takes,
@@ -368,8 +369,8 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
     from ``TMA_ROWS_MIN_FLOPS`` on.
     ``warp_specialize``: run the fused epilogues (the activation forward and backward) in
     ``row_gemm_ws_kernel`` (Gluon, Hopper: the epilogue in warps of its own) where it takes the
-    launch (None, the default, with ``KNOBS.warp_specialize``), always (True: an error where it
-    cannot) or never (False)."""
+    launch (None, the default: for the epilogues ``KNOBS.warp_specialize`` names, from
+    ``WS_MIN_COLUMNS`` columns on), always (True: an error where it cannot) or never (False)."""
     if epilogue in (EPI_ACT_FWD, EPI_ACT_BWD) and warp_specialize is not False:
         call = _warp_specialized(a, weight, out, plan, epilogue, activation, gather_a, transpose_weight, pre,
                                  store_pre, probs_sorted, ds_partial, n, required=warp_specialize is True)
@@ -449,12 +450,20 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
     return KernelCall(row_gemm_kernel, grid, args, constexprs)
 
 
+# The knob's launches go to the warp-specialized kernel from this many output columns (the layer's
+# width) on: on an H100 its fc1 gained 1-1.6% of conf4's layer step (h = 8192) and nothing on the
+# Qwen3-like (768) and 7B-like (256) layers, where it is faster alone (benchmarks/NOTES.md).
+WS_MIN_COLUMNS = 1024
+
+
 def _warp_specialized(a, weight, out, plan, epilogue, activation, gather_a, transpose_weight, pre, store_pre,
                       probs_sorted, ds_partial, n, *, required):
-    """``row_gemm_ws_kernel``'s call for a fused-epilogue launch it takes (with the knob on, unless
-    ``required``), else None; ``required``: a ValueError where it cannot take it."""
+    """``row_gemm_ws_kernel``'s call for a fused-epilogue launch it takes (where the knob names the
+    epilogue and ``n`` is at least WS_MIN_COLUMNS, or ``required``), else None; ``required``: a
+    ValueError where it cannot take it."""
     device = gpu_of(a)
-    if device is None or KNOBS.interpret or not (required or KNOBS.warp_specialize):
+    chosen = WS_EPILOGUES[epilogue] in KNOBS.warp_specialize and n >= WS_MIN_COLUMNS
+    if device is None or KNOBS.interpret or not (required or chosen):
         if required:
             raise ValueError("row_gemm(warp_specialize=True): the warp-specialized fused epilogues run on a GPU, "
                              f"not under the interpreter (A on {a.device})")

@@ -282,25 +282,17 @@ def _mainloop(p: _Problem, s: _Shared):
         # The tile whose loads the last S - 1 steps of this one issue.
         e_next, pid_n_next, src_next, row_ok_next = _tile_rows(p, i + 1, ld_layout)
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
-        for kk in range(k_steps):
-            stage = it % S
-            phase = (it // S) & 1
-            mbarrier.wait(s.a_ready.index(stage), phase)
-            mbarrier.wait(s.b_ready.index(stage), phase)
-            # A came through the generic proxy (cp.async); wgmma reads shared memory through the async one.
-            fence_async_shared()
-            b = s.b_bufs.index(stage)
-            if p.EPILOGUE == 1:
-                b = b.permute((1, 0))
-            acc = warpgroup_mma(s.a_bufs.index(stage), b, acc, use_acc=kk > 0, is_async=True)
-            # Step it - 1's MMA is done once at most this one is outstanding: its stage takes step
-            # it + S - 1's loads (this tile's, or the next one's).
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            ahead = kk + S - 1
-            nxt = ahead >= k_steps
-            _issue(p, s, it + S - 1, gl.where(nxt, e_next, e), gl.where(nxt, pid_n_next, pid_n),
-                   gl.where(nxt, src_next, src), gl.where(nxt, row_ok_next, row_ok),
-                   gl.where(nxt, ahead - k_steps, ahead) * BK, it + S - 1 < total, ld_layout)
+        # Two loops, so that no step selects between this tile's and the next one's rows: the
+        # steps whose loads S - 1 ahead are still this tile's, then the last S - 1 steps, whose
+        # loads are the next tile's first ones (none past the program's last tile).
+        for kk in range(k_steps - (S - 1)):
+            acc = _mma_step(p, s, it, kk, acc)
+            _issue(p, s, it + S - 1, e, pid_n, src, row_ok, (kk + S - 1) * BK, it + S - 1 < total, ld_layout)
+            it += 1
+        for kk in range(k_steps - (S - 1), k_steps):
+            acc = _mma_step(p, s, it, kk, acc)
+            _issue(p, s, it + S - 1, e_next, pid_n_next, src_next, row_ok_next, (kk + S - 1 - k_steps) * BK,
+                   it + S - 1 < total, ld_layout)
             it += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         e, pid_n, src, row_ok = e_next, pid_n_next, src_next, row_ok_next
@@ -311,6 +303,23 @@ def _mainloop(p: _Problem, s: _Shared):
         for c in gl.static_range(BN // p.CHUNK):
             s.acc_buf.index(c).store(pieces[c])
         mbarrier.arrive(s.acc_ready)
+
+
+@gluon.jit
+def _mma_step(p: _Problem, s: _Shared, it, kk, acc):
+    """Main-loop step ``it`` (the tile's ``kk``-th): wait for its stage's loads, multiply, and wait
+    until at most this step's MMA is outstanding, so step it - 1's stage can take new loads."""
+    stage = it % p.STAGES
+    phase = (it // p.STAGES) & 1
+    mbarrier.wait(s.a_ready.index(stage), phase)
+    mbarrier.wait(s.b_ready.index(stage), phase)
+    # A came through the generic proxy (cp.async); wgmma reads shared memory through the async one.
+    fence_async_shared()
+    b = s.b_bufs.index(stage)
+    if p.EPILOGUE == 1:
+        b = b.permute((1, 0))
+    acc = warpgroup_mma(s.a_bufs.index(stage), b, acc, use_acc=kk > 0, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
 
 
 @gluon.jit

@@ -20,6 +20,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not on_hopper(t
                                 reason="needs a Hopper GPU")
 
 
+def _per_expert64(plan, rows64, weight64):
+    """rows64 (the used rows, in expert order) @ weight64(e) for each expert's rows, in float64: one
+    product per expert (a per-row weight copy took 121 GiB on the random case)."""
+    bounds = plan.expert_token_offsets.tolist()
+    return torch.cat([rows64[lo:hi] @ weight64(e) for e, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
+
+
 def _act_bwd(plan, dy, fc2, pre_saved, probs_sorted, activation, warp_specialize):
     rows, h = plan.expert_token_indices.shape[0], fc2.shape[2]
     pre = pre_saved.clone()
@@ -66,8 +73,7 @@ def test_warp_specialized_act_bwd_matches_triton_and_float64(case, activation, d
 
     # float64: dH = dY[src] @ fc2[e] per row, then the activation backward.
     src = plan.expert_token_indices[:used].long()
-    expert = torch.repeat_interleave(torch.arange(E, device="cuda"), plan.expert_token_offsets.diff().long())
-    dh64 = torch.einsum("rk,rkn->rn", dy.double()[src], fc2.double()[expert])
+    dh64 = _per_expert64(plan, dy.double()[src], lambda e: fc2.double()[e])
     pre64 = pre_saved[:used].double().requires_grad_()
     h64 = _act64(pre64, activation)
     p64 = probs_sorted[:used].double()[:, None]
@@ -122,8 +128,7 @@ def test_warp_specialized_act_fwd_matches_triton_and_float64(case, activation, d
         else:
             assert ws[1].isnan().all()
     src = plan.expert_token_indices[:used].long()
-    expert = torch.repeat_interleave(torch.arange(E, device="cuda"), plan.expert_token_offsets.diff().long())
-    pre64 = torch.einsum("rk,rnk->rn", x.double()[src], fc1.double()[expert])
+    pre64 = _per_expert64(plan, x.double()[src], lambda e: fc1.double()[e].T)
     rel = lambda a, b: ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()  # noqa: E731
     assert rel(ws[0][:used], _act64(pre64, activation)) < 2e-2
     again = _act_fwd(plan, x, weight, activation, h, False, True)
@@ -150,6 +155,7 @@ def test_the_layer_with_warp_specialized_epilogues(monkeypatch, activation, halv
     (the fused epilogues give the same bits), the router-probability gradient within float32
     rounding (its partials sum in another order)."""
     from moeblaze_megatron.fused import fused_backward, fused_forward
+    from moeblaze_megatron.kernels import row_gemm as row_gemm_module
     from moeblaze_megatron.kernels.knobs import KNOBS
 
     torch.manual_seed(7)
@@ -164,7 +170,8 @@ def test_the_layer_with_warp_specialized_epilogues(monkeypatch, activation, halv
     gy = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
 
     def run(warp_specialize):
-        monkeypatch.setattr(KNOBS, "warp_specialize", warp_specialize)
+        monkeypatch.setattr(KNOBS, "warp_specialize", frozenset({"fwd", "bwd"} if warp_specialize else ()))
+        monkeypatch.setattr(row_gemm_module, "WS_MIN_COLUMNS", 0)  # h = 320 here
         y, probs_sorted, pre = fused_forward(x, probs, weight, fc2, plan, activation, save_pre=True)
         gx, gp, g1, g2 = fused_backward(gy, x, probs_sorted, weight, fc2, plan, activation, pre, (True,) * 4)
         return y, gx, gp, torch.cat(g1, dim=1) if isinstance(g1, tuple) else g1, g2
@@ -176,3 +183,31 @@ def test_the_layer_with_warp_specialized_epilogues(monkeypatch, activation, halv
             assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3), name  # bf16 of nearby float32 sums
         else:
             assert torch.equal(a, b), name
+
+
+def test_by_default_the_wide_activation_forwards_run_warp_specialized():
+    """MOEBLAZE_WARP_SPECIALIZE's default ("fwd"): fc1 with its activation in the Gluon kernel from
+    WS_MIN_COLUMNS output columns on (the faster there in the layer, benchmarks/NOTES.md), in the
+    Triton kernel below; dH with the activation backward in the Triton kernel."""
+    from moeblaze_megatron.kernels.knobs import read_knobs
+    from moeblaze_megatron.kernels.row_gemm import WS_MIN_COLUMNS, row_gemm_call, row_gemm_kernel
+    from moeblaze_megatron.kernels.row_gemm_ws import row_gemm_ws_kernel
+
+    assert read_knobs({}).warp_specialize == {"fwd"}
+    plan = build_routing_plan(torch.randn(64, 4, device="cuda").topk(2, dim=1).indices, 4)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    rows = plan.expert_token_indices.shape[0]
+
+    def kernels(n):
+        h, pre = x.new_empty(rows, n), x.new_empty(rows, 2 * n)
+        fc1 = torch.randn(4, 2 * n, 256, device="cuda").to(x.dtype)
+        fc2 = torch.randn(4, 256, n, device="cuda").to(x.dtype)
+        fwd = row_gemm_call(x, fc1, h, plan, transpose_weight=True, epilogue=EPI_ACT_FWD, activation="swiglu",
+                            gather_a=True, pre=pre, n=n)
+        bwd = row_gemm_call(x, fc2, h, plan, transpose_weight=False, epilogue=EPI_ACT_BWD, activation="swiglu",
+                            gather_a=True, pre=pre, probs_sorted=x.new_empty(rows),
+                            ds_partial=torch.empty(rows, row_gemm_ds_tiles(n), device="cuda"), n=n)
+        return fwd.kernel, bwd.kernel
+
+    assert kernels(WS_MIN_COLUMNS) == (row_gemm_ws_kernel, row_gemm_kernel)
+    assert kernels(WS_MIN_COLUMNS - 128) == (row_gemm_kernel, row_gemm_kernel)
