@@ -451,8 +451,8 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
 
 
 # The knob's launches go to the warp-specialized kernel from this many output columns (the layer's
-# width) on: on an H100 its fc1 gained 1-1.6% of conf4's layer step (h = 8192) and nothing on the
-# Qwen3-like (768) and 7B-like (256) layers, where it is faster alone (benchmarks/NOTES.md).
+# width) on: below, its faster fc1 did not shorten the layer's step (benchmarks/NOTES.md,
+# twenty-ninth session).
 WS_MIN_COLUMNS = 1024
 
 
