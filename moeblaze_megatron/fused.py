@@ -6,7 +6,7 @@ pre-activations unless recompute="fc1"); GEMM2 multiplies by fc2 in expert order
 kernel weights each slot by its router probability and sums a token's K rows (writing the
 probabilities in expert order for backward on the way).
 Backward: dH = gathered dY @ fc2 with the activation backward, the probability scaling and the
-router-probability gradient <dH, h> in the epilogue (partial sums per column tile), writing d pre
+router-probability gradient <dH, h> in the epilogue (partial sums per 128 columns), writing d pre
 over the saved pre-activations; dW2 and dW1 as per-expert reductions over gathered rows; dx as
 d pre @ fc1 summed per token, the same launch summing the probability gradient's partials.
 The only (T*K, d) tensors are transient: the expert-order outputs reduced right after their GEMM,

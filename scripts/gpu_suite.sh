@@ -18,7 +18,10 @@
 # LAYER_ACTS, LAYER_IMPLS and LAYER_FLAGS (default --profile) shape the layer step; "power" runs
 # scripts/power_probe.py --kernels on POWER_CONFIGS and POWER_IMPLS; "titan" trains stock torchtitan
 # 0.3.0 and the override side by side, scripts/compare_torchtitan.py with TITAN_FLAGS, ~5 minutes,
-# torchtitan's wheels in .whl). Every step's whole output
+# torchtitan's wheels in .whl; "ws_ab" takes the layer with dH's activation backward in the
+# warp-specialized kernel, MOEBLAZE_WARP_SPECIALIZE=1, against the default, WS_AB_ROUNDS (3)
+# alternating rounds of bench_layer on WS_AB_CONFIGS (conf4), WS_AB_ACTS (swiglu,silu), moeblaze
+# alone, float64 checks in the first round only). Every step's whole output
 # is kept as $out/STEP.log. Results go to $OUT (default benchmarks/results/latest).
 #
 # Transformer Engine steps (issue 23; TE must already be in /tmp/site: ../shared/tools/te-device.sh's
@@ -49,8 +52,8 @@ export PYTHONUNBUFFERED=1
 steps=" ${STEPS:-tests megatron routing layer silu} "
 for name in $steps; do
   case $name in
-    tests|megatron|routing|ring|tune|power|layer|silu|titan|te_check|te_layer|te_select|te_compare) ;;
-    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing ring tune power layer silu titan" \
+    tests|megatron|routing|ring|tune|power|layer|silu|ws_ab|titan|te_check|te_layer|te_select|te_compare) ;;
+    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing ring tune power layer silu ws_ab titan" \
          "te_check te_layer te_select te_compare"; exit 1 ;;
   esac
 done
@@ -110,6 +113,15 @@ step layer "${LAYER_S:-260}" 200 python3 scripts/bench_layer.py --out "$out" --c
   ${LAYER_FLAGS---profile}
 step silu "${SILU_S:-30}" 12 python3 scripts/bench_layer.py --out "$out" --tag bench_layer_silu --configs conf4 --acts silu \
   --reps 5 --impls moeblaze,grouped_mm,megatron_sequential,megablocks,scattermoe
+for round in $(seq 1 "${WS_AB_ROUNDS:-3}"); do
+  check=()
+  [ "$round" -gt 1 ] && check=(--no-check)
+  for knob in fwd 1; do
+    MOEBLAZE_WARP_SPECIALIZE=$knob run_step ws_ab "ws_ab_${knob}_$round" "${WS_AB_S:-90}" 6 python3 scripts/bench_layer.py \
+      --out "$out" --tag "bench_layer_ws_${knob}_$round" --configs "${WS_AB_CONFIGS:-conf4}" --acts "${WS_AB_ACTS:-swiglu,silu}" \
+      --reps 5 --impls moeblaze ${check[@]+"${check[@]}"}
+  done
+done
 
 # Transformer Engine (issue 23): see the header.
 step te_check "${TE_CHECK_S:-300}" 40 python3 scripts/gpu_megatron_check.py --te --out "$out/gpu_megatron_check_te.json"

@@ -242,7 +242,7 @@ def row_gemm_layer(plan, tokens, d, h, activation, dtype, seed, config, device="
     fit both halves), as the layer runs them, on fresh inputs drawn from ``seed``; every output
     poisoned with NaN first; ``tma_rows`` as row_gemm takes it, for fc2 and dX. Returns (pre, h,
     fc2 out, dh, d pre, router-gradient partials, dx), one row per plan slot."""
-    from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD
+    from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD, row_gemm_ds_tiles
     from moeblaze_megatron.kernels.tuning import row_gemm_with
 
     E = plan.num_experts
@@ -260,7 +260,7 @@ def row_gemm_layer(plan, tokens, d, h, activation, dtype, seed, config, device="
                   activation=activation, pre=pre, n=h)
     row_gemm_with(config, hid, fc2, out2, plan, transpose_weight=True, gather_a=False, n=d, tma_rows=tma_rows)
     dpre = pre.clone()
-    ds = torch.full((rows, -(-h // config.kwargs["BLOCK_N"])), float("nan"), device=device)  # one per column tile
+    ds = torch.full((rows, row_gemm_ds_tiles(h, config.kwargs["BLOCK_N"])), float("nan"), device=device)
     row_gemm_with(config, dy, fc2, hs, plan, transpose_weight=False, epilogue=EPI_ACT_BWD, activation=activation,
                   pre=dpre, probs_sorted=probs, ds_partial=ds, n=h)
     row_gemm_with(config, dpre, fc1, dx, plan, transpose_weight=False, gather_a=False, n=d, tma_rows=tma_rows)

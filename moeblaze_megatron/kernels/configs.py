@@ -23,10 +23,13 @@ WS_EPILOGUES = {EPI_ACT_FWD: "fwd", EPI_ACT_BWD: "bwd"}
 ACT_SWIGLU, ACT_SILU, ACT_GELU = 0, 1, 2
 ACTIVATION_IDS = {"swiglu": ACT_SWIGLU, "silu": ACT_SILU, "gelu": ACT_GELU}
 
-# The activation backward writes one router-gradient partial per column tile, summed afterwards:
-# its rounding depends on the tile width, so it runs this one width (bitwise the same run to run,
-# whatever the autotuner's noise).
+# The activation backward writes one router-gradient partial per DS_COLS columns, summed
+# afterwards: its rounding depends on the tile width, so the Triton kernel runs this one width
+# (bitwise the same run to run, whatever the autotuner's noise), two partials per tile.
 ACT_BWD_BLOCK_N = 256
+# The partials' column span: the warp-specialized dH's tile width, half the Triton kernel's, so
+# ds_partial has one layout whichever kernel writes it.
+DS_COLS = 128
 
 # Ragged TMA descriptors for A and C of a plain GEMM in expert order are faster on the GPU but cost
 # the host tens of microseconds a launch: below this many FLOPs (~0.2 ms of GPU, where the host-bound

@@ -30,6 +30,7 @@ from .configs import (
     ACT_SILU,
     ACT_SWIGLU,
     ACTIVATION_IDS,
+    DS_COLS,
     EPI_ACT_BWD,
     EPI_ACT_FWD,
     EPI_STORE,
@@ -79,6 +80,10 @@ def _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl
     return e, row_lo, row_lo + (pid_m - first_tile) * BLOCK_M, row_end, pid_m < tl.sum(tiles, axis=0)
 
 
+# (A constexpr: the kernel reads it as a global.)
+_DS_COLS = tl.constexpr(DS_COLS)
+
+
 @triton.autotune(
     configs=row_gemm_configs(),
     key=["N", "K", "E", "rows_bucket", "EPILOGUE", "ACT", "GATHER_A", "TMA_B", "TMA_ROWS"],
@@ -105,7 +110,7 @@ def row_gemm_kernel(
     EPI_ACT_FWD: pre = acc (gate | up for SwiGLU, stored when STORE_PRE), c = act(pre).
     EPI_ACT_BWD: acc is dH (unscaled); pre holds the saved pre-activations and receives
                  d pre in place; c receives p * act(pre) (for dW2); ds receives
-                 <dH, act(pre)> summed over this program's columns (one partial per column tile).
+                 <dH, act(pre)> summed over each DS_COLS columns of the tile (row_gemm_ds_tiles).
     For SwiGLU, N is the width h of one half; the up half sits N columns after the gate half.
     TMA_B: B is a TMA descriptor over the weight, [E, N, K] (TRANS_B), [E, 2, N, K] (the SwiGLU
     forward's gate and up halves) or [E, K, N]; the hardware zero-fills past N and K.
@@ -229,9 +234,18 @@ def _row_gemm_tile(
             # (a whole 256-wide tile's saved pre-activations at once would spill), each chunk's
             # loads issued before the previous chunk's stores.
             p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-            ds = _act_bwd_epilogue(to_storage(acc, out_dtype, MEND_BF16), p, r64, row_ok, pid_n * BLOCK_N, N,
-                                   c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU, MEND_BF16, BLOCK_M, BLOCK_N)
-            tl.store(ds_ptr + r64 * stride_dsm + pid_n, ds, mask=row_ok)
+            ds_lo, ds_hi = _act_bwd_epilogue(to_storage(acc, out_dtype, MEND_BF16), p, r64, row_ok, pid_n * BLOCK_N,
+                                             N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU, MEND_BF16, BLOCK_M,
+                                             BLOCK_N)
+            # One partial per _DS_COLS columns, as the warp-specialized dH writes them; a narrower
+            # tile (the interpreter's) one per tile (row_gemm_ds_tiles).
+            ds_row = ds_ptr + r64 * stride_dsm
+            if BLOCK_N == 2 * _DS_COLS:
+                tl.store(ds_row + 2 * pid_n, ds_lo, mask=row_ok)
+                tl.store(ds_row + 2 * pid_n + 1, ds_hi, mask=row_ok & (pid_n * BLOCK_N + _DS_COLS < N))
+            else:
+                tl.static_assert(BLOCK_N <= _DS_COLS)
+                tl.store(ds_row + pid_n, ds_lo + ds_hi, mask=row_ok)
 
 
 @triton.jit
@@ -324,7 +338,7 @@ def _act_bwd_epilogue(dh, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, st
                       ACT: tl.constexpr, GLU: tl.constexpr, MEND_BF16: tl.constexpr,
                       ROWS: tl.constexpr, COLS: tl.constexpr):
     """The activation backward on COLS columns of dH from col0, in four chunks. Returns the rows'
-    partial <dH, h>.
+    partial <dH, h> over each half of the columns.
 
     Each chunk's loads are issued before the previous chunk's stores: d pre is written over pre,
     so the compiler may not move a load above a store, and a chunk's loads would otherwise wait
@@ -335,16 +349,17 @@ def _act_bwd_epilogue(dh, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, st
     c2, c3 = _column_halves(hi, ROWS, COLS // 2)
     g0, u0 = _load_pre(r64, row_ok, col0, N, pre_ptr, stride_pm, Q, GLU)
     g1, u1 = _load_pre(r64, row_ok, col0 + Q, N, pre_ptr, stride_pm, Q, GLU)
-    ds = _act_bwd_chunk(c0, g0, u0, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU, MEND_BF16)
+    ds_lo = _act_bwd_chunk(c0, g0, u0, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU,
+                           MEND_BF16)
     g2, u2 = _load_pre(r64, row_ok, col0 + 2 * Q, N, pre_ptr, stride_pm, Q, GLU)
-    ds += _act_bwd_chunk(c1, g1, u1, p, r64, row_ok, col0 + Q, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU,
+    ds_lo += _act_bwd_chunk(c1, g1, u1, p, r64, row_ok, col0 + Q, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU,
                          MEND_BF16)
     g3, u3 = _load_pre(r64, row_ok, col0 + 3 * Q, N, pre_ptr, stride_pm, Q, GLU)
-    ds += _act_bwd_chunk(c2, g2, u2, p, r64, row_ok, col0 + 2 * Q, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU,
-                         MEND_BF16)
-    ds += _act_bwd_chunk(c3, g3, u3, p, r64, row_ok, col0 + 3 * Q, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU,
-                         MEND_BF16)
-    return ds
+    ds_hi = _act_bwd_chunk(c2, g2, u2, p, r64, row_ok, col0 + 2 * Q, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT,
+                           GLU, MEND_BF16)
+    ds_hi += _act_bwd_chunk(c3, g3, u3, p, r64, row_ok, col0 + 3 * Q, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT,
+                            GLU, MEND_BF16)
+    return ds_lo, ds_hi
 
 
 def row_gemm(a, weight, out, plan, **kwargs) -> None:
@@ -510,8 +525,11 @@ def expert_order_gemm(a, weight, plan, *, transpose_weight, n):
     return out
 
 
-def row_gemm_ds_tiles(n: int) -> int:
-    """The column tiles of the activation-backward epilogue (its ds width), for every config it
-    may run."""
-    kept = prune_row_gemm(row_gemm_kernel.configs, {}, EPILOGUE=EPI_ACT_BWD)
-    return cdiv(n, min(c.kwargs["BLOCK_N"] for c in kept))
+def row_gemm_ds_tiles(n: int, block_n: int | None = None) -> int:
+    """The activation backward's router-gradient partials per row (ds_partial's width): one per
+    DS_COLS columns, whichever kernel (Triton's or the warp-specialized one) runs it, or one per
+    tile where the Triton kernel's tile (``block_n``; by default its config's) is narrower (the
+    interpreter's)."""
+    if block_n is None:
+        block_n = min(c.kwargs["BLOCK_N"] for c in prune_row_gemm(row_gemm_kernel.configs, {}, EPILOGUE=EPI_ACT_BWD))
+    return cdiv(n, min(DS_COLS, block_n))

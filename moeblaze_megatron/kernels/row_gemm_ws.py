@@ -5,19 +5,20 @@ idle while the saved pre-activations are read and the results written: 23-41% of
 benchmarked shapes (benchmarks/NOTES.md, twenty-third session). Here one persistent program per
 multiprocessor runs two partitions on different tiles at once:
 
-- the main loop (8 warps, two warpgroups on one 128 x 256 tile, the Triton kernel's tile): A's
-  rows gathered by token with ``cp.async`` (each thread's copies arrive on an mbarrier; rows past
-  the tile's expert read zeros), the weight's tile by TMA, STAGES - 1 steps ahead across tile
-  boundaries, wgmma; at each tile's end the accumulator, rounded to the storage dtype, goes to the
-  epilogue through one shared-memory buffer and the next tile starts;
+- the main loop (8 warps, two warpgroups on one tile: fc1's 128 x 256, the Triton kernel's; dH's
+  128 x 128): A's rows gathered by token with ``cp.async`` (each thread's copies arrive on an
+  mbarrier; rows past the tile's expert read zeros), the weight's tile by TMA, STAGES - 1 steps
+  ahead across tile boundaries, wgmma; at each tile's end the accumulator, rounded to the storage
+  dtype, goes to the epilogue through one shared-memory buffer and the next tile starts;
 - the epilogue (4 warps): the activation forward (fc1: pre and act(pre) stored) or backward (dH:
   d pre over pre, p * act(pre), the router-gradient partials) from that buffer, 16 columns at a
-  time, three chunks' loads in flight.
+  time. dH's saved pre-activations come by TMA into shared memory a whole tile ahead (pointer
+  loads from four warps kept too few in flight: its epilogue, not its main loop, set the pace).
 
-Same tile, k order and roundings as ``row_gemm_kernel``, so every output but the
-router-gradient partials (one per 256-column tile, summed in another order) is bitwise the
-Triton kernel's. ``ws_takes`` says which launches it takes, ``ws_call`` builds one; the launchers
-choose it under ``KNOBS.warp_specialize`` (``row_gemm.row_gemm_call``).
+The same k order and roundings as ``row_gemm_kernel``, so every output but the router-gradient
+partials (one per 128 columns, summed in another order) is bitwise the Triton kernel's.
+``ws_takes`` says which launches it takes, ``ws_call`` builds one; the launchers choose it under
+``KNOBS.warp_specialize`` (``row_gemm.row_gemm_call``).
 
 Gluon has no interpreter: this path runs on Hopper GPUs only, held to the Triton kernel and to
 float64 by tests/gpu and compiled for sm_90a on the CPU by tests/scripts; the Triton kernel stays
@@ -37,11 +38,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
-from .configs import ACT_BWD_BLOCK_N, EPI_ACT_BWD, EPI_ACT_FWD, EPI_STORE  # EPI_STORE: a diagnostic here
+from .configs import DS_COLS, EPI_ACT_BWD, EPI_ACT_FWD, EPI_STORE  # EPI_STORE: a diagnostic here
 from .activations import act, act_bwd  # Triton functions: Gluon calls them as they are
 
-# The Triton 3.6 name of the TMA load (3.8 calls it async_load).
+# The Triton 3.6 names of the TMA load and of the barrier across a partition's warps (3.8 calls
+# them async_load and barrier).
 _tma_load = getattr(tma, "async_copy_global_to_shared", None) or tma.async_load
+_warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @aggregate
@@ -133,9 +136,11 @@ class _Shared:
     acc_buf: gl.shared_memory_descriptor
     acc_ready: gl.shared_memory_descriptor
     acc_empty: gl.shared_memory_descriptor
+    pre_bufs: gl.shared_memory_descriptor
+    pre_ready: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, a_bufs, b_bufs, a_ready, b_ready, acc_buf, acc_ready, acc_empty):
+    def __init__(self, a_bufs, b_bufs, a_ready, b_ready, acc_buf, acc_ready, acc_empty, pre_bufs, pre_ready):
         self.a_bufs = a_bufs
         self.b_bufs = b_bufs
         self.a_ready = a_ready
@@ -143,6 +148,10 @@ class _Shared:
         self.acc_buf = acc_buf
         self.acc_ready = acc_ready
         self.acc_empty = acc_empty
+        # dH's pre-activations, one [BLOCK_M, CHUNK] slot per chunk (gate's, then up's), each
+        # chunk's pair arriving on its own barrier (the activation forward: unused stand-ins).
+        self.pre_bufs = pre_bufs
+        self.pre_ready = pre_ready
 
 
 @aggregate
@@ -152,6 +161,7 @@ class _Problem:
     a_ptr: gl.tensor
     b_desc: tma.tensor_descriptor
     b2_desc: tma.tensor_descriptor
+    pre_desc: tma.tensor_descriptor
     c_ptr: gl.tensor
     pre_ptr: gl.tensor
     probs_ptr: gl.tensor
@@ -178,12 +188,13 @@ class _Problem:
     CHUNK: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, a_ptr, b_desc, b2_desc, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, N, K, stride_am,
-                 stride_cm, stride_pm, stride_dsm, B_ROWS, UP_OFF, tiles, EPILOGUE, ACT, GLU, STORE_PRE, BLOCK_M,
-                 BLOCK_N, BLOCK_K, OUT_N, STAGES, CHUNK):
+    def __init__(self, a_ptr, b_desc, b2_desc, pre_desc, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, N, K,
+                 stride_am, stride_cm, stride_pm, stride_dsm, B_ROWS, UP_OFF, tiles, EPILOGUE, ACT, GLU, STORE_PRE,
+                 BLOCK_M, BLOCK_N, BLOCK_K, OUT_N, STAGES, CHUNK):
         self.a_ptr = a_ptr
         self.b_desc = b_desc
         self.b2_desc = b2_desc
+        self.pre_desc = pre_desc
         self.c_ptr = c_ptr
         self.pre_ptr = pre_ptr
         self.probs_ptr = probs_ptr
@@ -336,20 +347,6 @@ def _split_columns(x, PIECES: gl.constexpr):
 
 
 @gluon.jit
-def _load_pre(p: _Problem, r64, row_ok, cols):
-    """The saved pre-activations of the rows r64 and the columns cols: (gate, up) for SwiGLU,
-    (pre, pre) otherwise."""
-    mask = row_ok[:, None] & (cols < p.N)[None, :]
-    pre_ptrs = p.pre_ptr + r64[:, None] * p.stride_pm + cols[None, :]
-    g = gl.load(pre_ptrs, mask=mask, other=0.0)
-    if p.GLU:
-        up = gl.load(pre_ptrs + p.N, mask=mask, other=0.0)
-    else:
-        up = g
-    return g, up
-
-
-@gluon.jit
 def _epilogue_rows(p: _Problem, i, layout: gl.constexpr):
     """The epilogue's view of this program's i-th tile: its rows (also as int64), which of them are
     the expert's, and its column block."""
@@ -418,48 +415,80 @@ def _epilogue_fwd(p: _Problem, s: _Shared):
 
 
 @gluon.jit
+def _issue_pre(p: _Problem, s: _Shared, c: gl.constexpr, row0, col0, valid):
+    """Chunk c of the saved pre-activations of the tile at (row0, col0) by TMA into chunk c's
+    slots (gate's and, N columns on, up's for SwiGLU), arriving on pre_ready[c], where ``valid``.
+    Rows past the tile's expert are another expert's (read, never written: the stores are
+    masked) or past the tensor (zeros)."""
+    CH: gl.constexpr = p.CHUNK
+    NC: gl.constexpr = p.BLOCK_N // CH
+    bar = s.pre_ready.index(c)
+    if p.GLU:
+        mbarrier.expect(bar, 2 * p.pre_desc.block_type.nbytes, pred=valid)
+        _tma_load(p.pre_desc, [row0, col0 + c * CH], bar, s.pre_bufs.index(c), pred=valid)
+        _tma_load(p.pre_desc, [row0, p.N + col0 + c * CH], bar, s.pre_bufs.index(NC + c), pred=valid)
+    else:
+        mbarrier.expect(bar, p.pre_desc.block_type.nbytes, pred=valid)
+        _tma_load(p.pre_desc, [row0, col0 + c * CH], bar, s.pre_bufs.index(c), pred=valid)
+
+
+@gluon.jit
 def _epilogue_bwd(p: _Problem, s: _Shared):
     """The activation backward of each tile, CHUNK columns at a time, from acc_buf (dH rounded to
-    the storage dtype): d pre over pre (d gate and, N columns on, d up for SwiGLU), p * act(pre)
-    into c, and the rows' partial <dH, act(pre)> into ds (one per column tile)."""
+    the storage dtype) and the tile's pre-activations in pre_bufs: d pre over pre (d gate and,
+    N columns on, d up for SwiGLU), p * act(pre) into c, and the rows' partial <dH, act(pre)> into
+    ds (one per tile: BLOCK_N is DS_COLS). Each chunk's slots take the next tile's chunk as soon
+    as every warp has read them, a whole tile's epilogue and main loop ahead of its use."""
     CH: gl.constexpr = p.CHUNK
     NC: gl.constexpr = p.BLOCK_N // CH
     out_dtype: gl.constexpr = p.c_ptr.dtype.element_ty
     layout: gl.constexpr = _rows_layout(out_dtype.primitive_bitwidth, CH, gl.num_warps())
     cols_in = gl.arange(0, CH, layout=gl.SliceLayout(0, layout))
-    for i in range(p.tiles.count()):
-        rows, row_ok, r64, pid_n = _epilogue_rows(p, i, layout)
+    n_tiles = p.tiles.count()
+    _, _, row0, row_end, pid_n = p.tiles.coords(0)
+    for c in gl.static_range(NC):
+        _issue_pre(p, s, c, row0, pid_n * p.BLOCK_N, n_tiles > 0)
+    for i in range(n_tiles):
+        _, _, row0_next, row_end_next, pid_n_next = p.tiles.coords(i + 1)
+        rows = row0 + gl.arange(0, p.BLOCK_M, layout=gl.SliceLayout(1, layout))
+        row_ok = rows < row_end
+        r64 = rows.to(gl.int64)
         prob = gl.load(p.probs_ptr + rows, mask=row_ok, other=0.0).to(gl.float32)
         ds = gl.zeros([p.BLOCK_M], dtype=gl.float32, layout=gl.SliceLayout(1, layout))
         col0 = pid_n * p.BLOCK_N
-        # Three chunks' loads ahead of the one computed: four warps keep enough in flight only so.
-        g, up = _load_pre(p, r64, row_ok, col0 + cols_in)
-        g1, up1 = _load_pre(p, r64, row_ok, col0 + CH + cols_in)
-        g2, up2 = _load_pre(p, r64, row_ok, col0 + 2 * CH + cols_in)
         mbarrier.wait(s.acc_ready, i & 1)
-        for c in range(NC):
-            cols = col0 + c * CH + cols_in
-            # Loads before this chunk's stores (d pre is written over pre; other columns).
-            g3, up3 = _load_pre(p, r64, row_ok & (c + 3 < NC), cols + 3 * CH)
+        for c in gl.static_range(NC):
+            mbarrier.wait(s.pre_ready.index(c), i & 1)
+            g = s.pre_bufs.index(c).load(layout).to(gl.float32)
+            if p.GLU:
+                up = s.pre_bufs.index(NC + c).load(layout).to(gl.float32)
+            else:
+                up = g
             dh_raw = s.acc_buf.index(c).load(layout).to(gl.float32)
+            # Every warp's reads of the chunk's slots done (and ordered before the async proxy's
+            # writes): the next tile's chunk may come into them.
+            fence_async_shared()
+            _warps_barrier()
+            _issue_pre(p, s, c, row0_next, pid_n_next * p.BLOCK_N, i + 1 < n_tiles)
+            cols = col0 + c * CH + cols_in
             mask = row_ok[:, None] & (cols < p.N)[None, :]
             pre_ptrs = p.pre_ptr + r64[:, None] * p.stride_pm + cols[None, :]
-            h, d_pre, d_up = act_bwd(dh_raw * prob[:, None], g.to(gl.float32), up.to(gl.float32), p.ACT, p.GLU)
+            h, d_pre, d_up = act_bwd(dh_raw * prob[:, None], g, up, p.ACT, p.GLU)
             if p.GLU:
                 gl.store(pre_ptrs + p.N, d_up.to(out_dtype), mask=mask)
             gl.store(pre_ptrs, d_pre.to(out_dtype), mask=mask)
             gl.store(p.c_ptr + r64[:, None] * p.stride_cm + cols[None, :], (h * prob[:, None]).to(out_dtype),
                      mask=mask)
             ds += gl.sum(gl.where(mask, dh_raw * h, 0.0), axis=1)
-            g, up, g1, up1, g2, up2 = g1, up1, g2, up2, g3, up3
         # Every chunk of the buffer is read: the main loop may hand over the next tile.
         mbarrier.arrive(s.acc_empty)
         gl.store(p.ds_ptr + r64 * p.stride_dsm + pid_n, ds, mask=row_ok)
+        row0, row_end, pid_n = row0_next, row_end_next, pid_n_next
 
 
 @gluon.jit
 def row_gemm_ws_kernel(
-    a_ptr, b_desc, b2_desc, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, offsets_ptr,
+    a_ptr, b_desc, b2_desc, pre_desc, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, offsets_ptr,
     N, K, E, B_ROWS, UP_OFF, stride_am, stride_cm, stride_pm, stride_dsm,
     EPILOGUE: gl.constexpr, ACT: gl.constexpr, GLU: gl.constexpr, STORE_PRE: gl.constexpr,
     E_POW2: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
@@ -472,8 +501,9 @@ def row_gemm_ws_kernel(
     EPILOGUE 1, the activation forward (fc1): B is [E * B_ROWS, K] (the weight's rows are the
     output columns, as nn.Linear keeps them); for SwiGLU b_desc's rows are the gates and b2_desc's,
     UP_OFF rows on, the ups ([gate | up] stacked: both over one tensor; torchtitan's w1 and w3:
-    one each), and each 128 x 256 tile is 128 gate and 128 up columns.
-    EPILOGUE 2, the activation backward (dH): B is [E * K, N], b2_desc unused."""
+    one each), and each 128 x 256 tile is 128 gate and 128 up columns; pre_desc unused.
+    EPILOGUE 2, the activation backward (dH): B is [E * K, N], b2_desc unused, pre_desc the saved
+    pre-activations ([rows, 2N] for SwiGLU, else [rows, N]) in [BLOCK_M, CHUNK] boxes."""
     dtype: gl.constexpr = b_desc.dtype
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
@@ -488,6 +518,14 @@ def row_gemm_ws_kernel(
     b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     acc_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     acc_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    if EPILOGUE == 2:
+        chunks: gl.constexpr = BLOCK_N // CHUNK
+        pre_bufs = gl.allocate_shared_memory(dtype, [2 * chunks if GLU else chunks, BLOCK_M, CHUNK], pre_desc.layout)
+        pre_ready = gl.allocate_shared_memory(gl.int64, [chunks, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(chunks):
+            mbarrier.init(pre_ready.index(c), count=1)
+    else:
+        pre_bufs, pre_ready = acc_buf, acc_ready
     for i in gl.static_range(STAGES):
         # Each main-loop thread's cp.async arrival counts once (noinc).
         mbarrier.init(a_ready.index(i), count=gl.num_warps() * 32)
@@ -503,28 +541,38 @@ def row_gemm_ws_kernel(
     # The output columns one tile covers: the SwiGLU forward's tile is half gate, half up.
     OUT_N: gl.constexpr = BLOCK_N // 2 if EPILOGUE == 1 and GLU else BLOCK_N
     tiles = _Tiles.create(offsets_ptr, E, N, BLOCK_M, OUT_N, GROUP_M, E_POW2)
-    p = _Problem(a_ptr, b_desc, b2_desc, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, N, K, stride_am,
+    p = _Problem(a_ptr, b_desc, b2_desc, pre_desc, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, N, K, stride_am,
                  stride_cm, stride_pm, stride_dsm, B_ROWS, UP_OFF, tiles, EPILOGUE, ACT, GLU, STORE_PRE, BLOCK_M,
                  BLOCK_N, BLOCK_K, OUT_N, STAGES, CHUNK)
-    s = _Shared(a_bufs, b_bufs, a_ready, b_ready, acc_buf, acc_ready, acc_empty)
+    s = _Shared(a_bufs, b_bufs, a_ready, b_ready, acc_buf, acc_ready, acc_empty, pre_bufs, pre_ready)
     gl.warp_specialize([
         (_mainloop, (p, s)),
         (_epilogue, (p, s)),
     ], [EPILOGUE_WARPS], [EPILOGUE_REGS])
 
 
-# The one tile: two warpgroups on 128 x 256 (the Triton kernel's activation-backward tile, so the
-# router-gradient partials have its width; the SwiGLU forward's 128 gate and 128 up columns),
-# three 48 KB stages beside the 64 KB tile buffer.
-WS_TILE = dict(BLOCK_M=128, BLOCK_N=ACT_BWD_BLOCK_N, BLOCK_K=64, GROUP_M=8, STAGES=3, CHUNK=16)
+# Two warpgroups on each tile. fc1: 128 x 256 (the Triton kernel's tile; for SwiGLU 128 gate and
+# 128 up columns), three 48 KB stages beside the 64 KB tile buffer (208 KB). dH: 128 x 128
+# (DS_COLS: the router-gradient partials' span), four 32 KB stages, the 32 KB tile buffer and the
+# tile's pre-activations by TMA, 64 KB for SwiGLU (224 KB of the 227 KB a program may have; a
+# 128 x 256 tile leaves no room for them, and two stages cost too much: benchmarks/NOTES.md).
+WS_TILES = {
+    EPI_ACT_FWD: dict(BLOCK_M=128, BLOCK_N=2 * DS_COLS, BLOCK_K=64, GROUP_M=8, STAGES=3, CHUNK=16),
+    EPI_ACT_BWD: dict(BLOCK_M=128, BLOCK_N=DS_COLS, BLOCK_K=64, GROUP_M=8, STAGES=4, CHUNK=16),
+}
 # 12 warps: 8 main-loop warps and 4 epilogue warps. 384 threads x 168 registers fill the
-# multiprocessor's 64K (the main loop's accumulator alone holds 128 per thread; the epilogue's
-# loads in flight most of the rest).
+# multiprocessor's 64K (fc1's accumulator alone holds 128 per thread).
 WS_WARPS = 8
 WS_EPILOGUE_WARPS = 4
 WS_MAXNREG = 168
 WS_EPILOGUE_REGS = 168
 WS_DTYPES = ("torch.bfloat16", "torch.float16")
+
+
+def ws_tile(epilogue) -> dict:
+    """The tile of a launch: dH's for the activation backward and for EPI_STORE (a diagnostic of
+    dH's main loop), fc1's for the activation forward."""
+    return WS_TILES[EPI_ACT_FWD if epilogue == EPI_ACT_FWD else EPI_ACT_BWD]
 
 
 def _smem_layout(block, dtype):
@@ -533,11 +581,18 @@ def _smem_layout(block, dtype):
     return NVMMASharedLayout.get_default_for(block, gl.bfloat16 if str(dtype) == "torch.bfloat16" else gl.float16)
 
 
+def _min_k(epilogue) -> int:
+    """The least K a launch takes: its loads run STAGES - 1 steps of BLOCK_K ahead."""
+    tile = ws_tile(epilogue)
+    return (tile["STAGES"] - 1) * tile["BLOCK_K"]
+
+
 WS_REQUIREMENTS = (
     f"the warp-specialized fused epilogues need a Hopper GPU (compute capability 9.x), A gathered by token with K "
-    f"a multiple of {WS_TILE['BLOCK_K']} and at least {(WS_TILE['STAGES'] - 1) * WS_TILE['BLOCK_K']}, float16 or "
-    f"bfloat16 throughout, and the weight contiguous: [E, out, K] read transposed (or a gate/up pair of them) for "
-    f"the activation forward, [E, K, N] as it is for the backward")
+    f"a multiple of {WS_TILES[EPI_ACT_FWD]['BLOCK_K']} and at least {_min_k(EPI_ACT_FWD)} (the activation forward) "
+    f"or {_min_k(EPI_ACT_BWD)} (the backward), float16 or bfloat16 throughout, and the weight contiguous: "
+    f"[E, out, K] read transposed (or a gate/up pair of them) for the activation forward, [E, K, N] as it is for "
+    f"the backward, whose saved pre-activations need unit column stride and 16-byte aligned rows")
 
 
 def on_hopper(capability) -> bool:
@@ -550,7 +605,8 @@ def ws_takes(a, weight, out, pre, epilogue, transpose_weight, capability) -> boo
     (9, x)), float16 or bfloat16 throughout, A's rows in 16-byte aligned vectors over K (a multiple
     of BLOCK_K, at least (STAGES - 1) * BLOCK_K: the loads run that far into the next tile), and
     the weight contiguous: [E, out, K] read transposed for the activation forward (a (gate, up)
-    pair of them for SwiGLU too), [E, K, N] as it is for the activation backward."""
+    pair of them for SwiGLU too), [E, K, N] as it is for the activation backward, whose saved
+    pre-activations come by TMA (unit column stride, 16-byte aligned start and rows)."""
     if not on_hopper(capability) or transpose_weight != (epilogue == EPI_ACT_FWD):
         return False
     weights = weight if isinstance(weight, tuple) else (weight,)
@@ -559,8 +615,10 @@ def ws_takes(a, weight, out, pre, epilogue, transpose_weight, capability) -> boo
         return False
     k_dim = a.shape[1]
     size = a.element_size()
-    bk = WS_TILE["BLOCK_K"]
-    return (k_dim % bk == 0 and k_dim >= (WS_TILE["STAGES"] - 1) * bk and a.stride(1) == 1
+    if epilogue == EPI_ACT_BWD and not (pre is not None and pre.stride(1) == 1 and (pre.stride(0) * size) % 16 == 0
+                                        and pre.data_ptr() % 16 == 0):
+        return False
+    return (k_dim % ws_tile(epilogue)["BLOCK_K"] == 0 and k_dim >= _min_k(epilogue) and a.stride(1) == 1
             and (a.stride(0) * size) % 16 == 0 and a.data_ptr() % 16 == 0
             and all(w.is_contiguous() and w.data_ptr() % 16 == 0 and (w.shape[2] * size) % 16 == 0
                     and w.shape[1 if epilogue == EPI_ACT_BWD else 2] == k_dim for w in weights))
@@ -576,7 +634,8 @@ def ws_call(a, weight, out, plan, *, epilogue, act_id, glu, pre, n, sm_count, st
 
     from .launch import KernelCall, cdiv, next_pow2
 
-    bm, bn, bk = WS_TILE["BLOCK_M"], WS_TILE["BLOCK_N"], WS_TILE["BLOCK_K"]
+    tile = ws_tile(epilogue)
+    bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]
     rows_total = plan.expert_token_indices.shape[0]
     num_experts = plan.num_experts
     if epilogue == EPI_ACT_FWD:
@@ -589,6 +648,7 @@ def ws_call(a, weight, out, plan, *, epilogue, act_id, glu, pre, n, sm_count, st
         b_desc, b2_desc = descs[0], descs[-1]
         b_rows = halves[0].shape[1]
         up_off = n if glu and len(halves) == 1 else 0
+        pre_desc = b_desc  # unused
     else:
         if epilogue == EPI_ACT_BWD and ds_partial.shape[1] < cdiv(n, bn):
             raise ValueError(f"ws_call: ds_partial must have at least {cdiv(n, bn)} columns (one per {bn}-column "
@@ -597,13 +657,17 @@ def ws_call(a, weight, out, plan, *, epilogue, act_id, glu, pre, n, sm_count, st
         b_desc = TensorDescriptor.from_tensor(weight.view(num_experts * k_dim, weight.shape[2]), [bk, bn],
                                               _smem_layout([bk, bn], weight.dtype))
         b2_desc, b_rows, up_off, out_n = b_desc, k_dim, 0, bn
+        pre_desc = b_desc
+        if epilogue == EPI_ACT_BWD:
+            box = [bm, tile["CHUNK"]]
+            pre_desc = TensorDescriptor.from_tensor(pre, box, _smem_layout(box, pre.dtype))
     tiles = (cdiv(rows_total, bm) + num_experts) * cdiv(n, out_n)
-    args = (a, b_desc, b2_desc, out, pre if pre is not None else out,
+    args = (a, b_desc, b2_desc, pre_desc, out, pre if pre is not None else out,
             probs_sorted if probs_sorted is not None else out, ds_partial if ds_partial is not None else out,
             plan.expert_token_indices, plan.expert_token_offsets, n, a.shape[1], num_experts, b_rows, up_off,
             a.stride(0), out.stride(0), pre.stride(0) if pre is not None else 0,
             ds_partial.stride(0) if ds_partial is not None else 0)
     constexprs = dict(EPILOGUE=epilogue, ACT=act_id, GLU=glu, STORE_PRE=store_pre and pre is not None,
-                      E_POW2=max(next_pow2(num_experts + 1), 16), **WS_TILE, EPILOGUE_WARPS=WS_EPILOGUE_WARPS,
+                      E_POW2=max(next_pow2(num_experts + 1), 16), **tile, EPILOGUE_WARPS=WS_EPILOGUE_WARPS,
                       EPILOGUE_REGS=WS_EPILOGUE_REGS, num_warps=WS_WARPS, maxnreg=WS_MAXNREG)
     return KernelCall(row_gemm_ws_kernel, (max(1, min(tiles, sm_count)),), args, constexprs)

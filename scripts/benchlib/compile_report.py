@@ -165,7 +165,8 @@ def compile_variant(call, config, arch="sm_90a") -> dict:
     # None where Triton's caches (this process's or the disk's) had the kernel: nothing compiled.
     seconds = compiled_now["seconds"] if compiled_now["kernels"] else None
     return {"config": config_name, "compile_seconds": seconds, "wgmma": "wgmma" in ptx,
-            "tma": "cp.async.bulk.tensor" in ptx, **_ptxas_info(ptx, arch), "histogram": _histogram(ptx)}
+            "tma": "cp.async.bulk.tensor" in ptx, "shared_bytes": compiled.metadata.shared, **_ptxas_info(ptx, arch),
+            "histogram": _histogram(ptx)}
 
 
 def compile_layer(shape, launches=None, configs_per_launch=None, progress=print) -> list[dict]:
@@ -182,7 +183,8 @@ def compile_layer(shape, launches=None, configs_per_launch=None, progress=print)
             for config in _kept_configs(calls[name])[:configs_per_launch]:
                 record = {"launch": name, **compile_variant(calls[name], config)}
                 progress(f"  {name:15s} {record['config']:22s} {_seconds(record):>8s}  "
-                         f"{record['registers']:3d} registers, {record['spill_store_bytes']} B spilled")
+                         f"{record['registers']:3d} registers, {record['spill_store_bytes']} B spilled, "
+                         f"{record['shared_bytes'] // 1024} KB shared")
                 records.append(record)
     return records
 
@@ -205,10 +207,11 @@ def diff_histograms(old: list[dict], new: list[dict]) -> list[str]:
 
 def table(records: list[dict]) -> str:
     """A markdown table of the variants."""
-    rows = ["| launch | config | registers | spill stores (B) | wgmma | TMA | compile (s) |", "|---|---|---|---|---|---|---|"]
+    rows = ["| launch | config | registers | spill stores (B) | shared (KB) | wgmma | TMA | compile (s) |",
+            "|---|---|---|---|---|---|---|---|"]
     rows += [f"| {r['launch']} | {r['config']} | {r['registers']} | {r['spill_store_bytes']} | "
-             f"{'yes' if r['wgmma'] else 'no'} | {'yes' if r['tma'] else 'no'} | {_seconds(r)} |"
-             for r in records]
+             f"{r.get('shared_bytes', 0) // 1024} | {'yes' if r['wgmma'] else 'no'} | {'yes' if r['tma'] else 'no'} | "
+             f"{_seconds(r)} |" for r in records]
     return "\n".join(rows)
 
 

@@ -158,13 +158,14 @@ def test_config_labels_and_the_autotuners_picks(monkeypatch):
 
 
 def test_ds_width_follows_the_activation_backward_tiles(gpu_lists, monkeypatch):
-    # The router-gradient partials are one column per tile the activation backward runs (256
-    # wide), not per tile of the narrowest config in the list (64): no zero columns to fill and sum.
+    # The router-gradient partials are one column per DS_COLS columns (two per 256-wide Triton
+    # tile, one per 128-wide warp-specialized tile: one layout for both kernels), not per tile of
+    # the narrowest config in the list (64): no zero columns to fill and sum.
     configs = cf.row_gemm_configs()
-    assert min(c.kwargs["BLOCK_N"] for c in configs) < cf.ACT_BWD_BLOCK_N
+    assert min(c.kwargs["BLOCK_N"] for c in configs) < cf.DS_COLS < cf.ACT_BWD_BLOCK_N
     monkeypatch.setattr(row_gemm.row_gemm_kernel, "configs", configs)
-    assert row_gemm.row_gemm_ds_tiles(768) == 768 // cf.ACT_BWD_BLOCK_N == 3
-    assert row_gemm.row_gemm_ds_tiles(200) == 1
+    assert row_gemm.row_gemm_ds_tiles(768) == 768 // cf.DS_COLS == 6
+    assert row_gemm.row_gemm_ds_tiles(200) == 2
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])

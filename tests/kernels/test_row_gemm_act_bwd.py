@@ -12,7 +12,7 @@ import triton
 
 from moe_testing import check_saturated_activations, rel_error
 from moeblaze_megatron import build_routing_plan
-from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD
+from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD, row_gemm_ds_tiles
 from moeblaze_megatron.kernels.tuning import row_gemm_with
 
 
@@ -60,7 +60,7 @@ def test_activation_backward_matches_float64_at_every_tile_width(block_n, activa
     probs = torch.rand(rows_total, generator=gen).to(dtype)
     d_pre = pre.clone()
     c = torch.full((rows_total, h), float("nan"), dtype=dtype)
-    ds = torch.full((rows_total, triton.cdiv(h, block_n)), float("nan"))
+    ds = torch.full((rows_total, row_gemm_ds_tiles(h, block_n)), float("nan"))
     config = triton.Config({"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4)
     row_gemm_with(config, dy, fc2, c, plan, transpose_weight=False, epilogue=EPI_ACT_BWD, activation=activation,
                   pre=d_pre, probs_sorted=probs, ds_partial=ds, n=h)

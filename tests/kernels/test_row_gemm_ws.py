@@ -8,7 +8,7 @@ import torch
 
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels import launch
-from moeblaze_megatron.kernels.configs import ACT_BWD_BLOCK_N
+from moeblaze_megatron.kernels.configs import DS_COLS
 from moeblaze_megatron.kernels.knobs import read_knobs
 from moeblaze_megatron.kernels.row_gemm import (
     EPI_ACT_BWD,
@@ -18,12 +18,12 @@ from moeblaze_megatron.kernels.row_gemm import (
     row_gemm_ds_tiles,
     row_gemm_kernel,
 )
-from moeblaze_megatron.kernels.row_gemm_ws import row_gemm_ws_kernel, ws_call, ws_takes
+from moeblaze_megatron.kernels.row_gemm_ws import WS_TILES, row_gemm_ws_kernel, ws_call, ws_takes
 
 HOPPER = (9, 0)
 
 
-def _tensors(d=128, h=256, E=4, T=64, dtype=torch.bfloat16):
+def _tensors(d=256, h=256, E=4, T=64, dtype=torch.bfloat16):
     ids = torch.randint(0, E, (T, 2))
     ids[:, 1] = (ids[:, 0] + 1) % E
     plan = build_routing_plan(ids, E)
@@ -56,7 +56,13 @@ def test_which_act_bwd_launches_it_takes():
     assert not takes(dy, fc2.transpose(1, 2).contiguous().transpose(1, 2), out, pre, False, HOPPER)
     f32 = _tensors(dtype=torch.float32)
     assert not takes(f32[1], f32[2], f32[3], f32[4], False, HOPPER)  # wgmma takes 16-bit operands here
-    for d in (96, 64):  # K not in whole 64-column steps; fewer than the two steps the loads run ahead
+    # The saved pre-activations come by TMA: unit column stride, 16-byte aligned rows and start.
+    assert not takes(dy, fc2, out, None, False, HOPPER)
+    assert not takes(dy, fc2, out, pre.T.contiguous().T, False, HOPPER)
+    assert not takes(dy, fc2, out, torch.empty(pre.shape[0], pre.shape[1] + 1, dtype=pre.dtype)[:, 1:], False,
+                     HOPPER)
+    assert takes(dy, fc2, out, torch.empty(pre.shape[0], pre.shape[1] + 8, dtype=pre.dtype)[:, 8:], False, HOPPER)
+    for d in (96, 128):  # K not in whole 64-column steps; fewer than the three steps the loads run ahead
         _, dy, fc2, out, pre, _, _ = _tensors(d=d)
         assert not takes(dy, fc2, out, pre, False, HOPPER)
 
@@ -79,18 +85,22 @@ def test_which_act_fwd_launches_it_takes():
 
 def test_the_launch_names_the_tile_the_partials_are_sized_for():
     plan, dy, fc2, out, pre, probs, _ = _tensors(h=320)
-    ds = torch.empty(pre.shape[0], 2)  # one partial per 256-column tile, as on the GPU
+    ds = torch.empty(pre.shape[0], 3)  # one partial per 128 columns, as on the GPU
     call = ws_call(dy, fc2, out, plan, epilogue=EPI_ACT_BWD, act_id=0, glu=True, pre=pre, probs_sorted=probs,
                    ds_partial=ds, n=320, sm_count=132)
     assert call.kernel is row_gemm_ws_kernel
-    # The Triton kernel's activation-backward tile width: the partials have one layout either way.
-    assert call.constexprs["BLOCK_N"] == ACT_BWD_BLOCK_N
-    with pytest.raises(ValueError, match="ds_partial must have at least 2 columns"):
+    # DS_COLS wide, half the Triton kernel's tile, which writes two partials: one layout either way.
+    assert call.constexprs["BLOCK_N"] == DS_COLS == 128 and call.constexprs["STAGES"] == 4
+    with pytest.raises(ValueError, match="ds_partial must have at least 3 columns"):
         ws_call(dy, fc2, out, plan, epilogue=EPI_ACT_BWD, act_id=0, glu=True, pre=pre, probs_sorted=probs,
-                ds_partial=ds[:, :1], n=320, sm_count=132)
+                ds_partial=ds[:, :2], n=320, sm_count=132)
+    # The saved pre-activations by TMA, one [128, 16] chunk of gate (or up) columns per box.
+    pre_desc = call.args[3]
+    assert pre_desc.base.data_ptr() == pre.data_ptr() and pre_desc.block_shape == [128, 16]
+    assert tuple(pre_desc.shape) == tuple(pre.shape)
     # 12 warps at the register count that fills a multiprocessor; one program per tile at most.
     assert (call.constexprs["num_warps"] + call.constexprs["EPILOGUE_WARPS"]) * 32 * call.constexprs["maxnreg"] <= 65536
-    tiles = (-(-plan.expert_token_indices.shape[0] // 128) + 4) * 2
+    tiles = (-(-plan.expert_token_indices.shape[0] // 128) + 4) * 3
     assert call.grid == (min(tiles, 132),)
     assert launch.compile_requests(call) == []  # Gluon compiles in the process, not in the workers
     key = launch._arg_key(call.args[1])
@@ -99,14 +109,15 @@ def test_the_launch_names_the_tile_the_partials_are_sized_for():
 
 def test_the_swiglu_forward_tile_is_half_gate_half_up():
     plan, x, _, out, pre, _, _ = _tensors(h=320)
-    fc1 = torch.randn(4, 640, 128).to(torch.bfloat16)
+    fc1 = torch.randn(4, 640, 256).to(torch.bfloat16)
     stacked = ws_call(x, fc1, out, plan, epilogue=EPI_ACT_FWD, act_id=0, glu=True, pre=pre, n=320, sm_count=132)
     w1, w3 = fc1[:, :320].contiguous(), fc1[:, 320:].contiguous()
     halves = ws_call(x, (w1, w3), out, plan, epilogue=EPI_ACT_FWD, act_id=0, glu=True, pre=pre, n=320, sm_count=132)
-    # (a, b_desc, b2_desc, ..., n, K, E, rows of the weight per expert, the up rows' offset in them, ...)
-    assert stacked.args[1] is stacked.args[2] and stacked.args[12:14] == (640, 320)
+    assert stacked.constexprs["BLOCK_N"] == WS_TILES[EPI_ACT_FWD]["BLOCK_N"] == 256
+    # (a, b_desc, b2_desc, pre_desc, ..., n, K, E, rows of the weight per expert, the up rows' offset, ...)
+    assert stacked.args[1] is stacked.args[2] and stacked.args[13:15] == (640, 320)
     assert halves.args[1].base.data_ptr() == w1.data_ptr() and halves.args[2].base.data_ptr() == w3.data_ptr()
-    assert halves.args[12:14] == (320, 0)
+    assert halves.args[13:15] == (320, 0)
     assert halves.args[1].block_shape == [128, 64]  # 128 gate and 128 up columns per 128 x 256 tile
     assert stacked.grid == halves.grid == (min((-(-plan.expert_token_indices.shape[0] // 128) + 4) * 3, 132),)
 
@@ -115,7 +126,7 @@ def test_the_swiglu_forward_tile_is_half_gate_half_up():
 def test_without_a_hopper_gpu_the_triton_kernel_runs_the_fused_epilogues(epilogue):
     plan, dy, fc2, out, pre, probs, ds = _tensors()
     if epilogue == EPI_ACT_FWD:
-        weight, args = torch.randn(4, 512, 128).to(torch.bfloat16), dict(transpose_weight=True, pre=pre)
+        weight, args = torch.randn(4, 512, 256).to(torch.bfloat16), dict(transpose_weight=True, pre=pre)
     else:
         weight, args = fc2, dict(transpose_weight=False, pre=pre, probs_sorted=probs, ds_partial=ds)
     args.update(epilogue=epilogue, activation="swiglu", n=256)

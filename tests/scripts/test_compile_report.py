@@ -57,6 +57,8 @@ def test_the_warp_specialized_epilogues_compile_for_hopper(tmp_path):
         assert record["config"] == "fixed" and record["wgmma"] and record["tma"], record
         assert 0 < record["registers"] <= WS_MAXNREG and not record["wgmma_serialized"], record
         assert record["spill_store_bytes"] <= 128, record
+        # Hopper's 227 KB a program may have (dH: four stages, the tile buffer, a tile's pre by TMA).
+        assert 0 < record["shared_bytes"] <= 227 * 1024, record
         assert any(op.startswith("setmaxnreg") for op in record["histogram"]), record["histogram"]
         assert any(op.startswith("cp.async.mbarrier.arrive") for op in record["histogram"]), record["histogram"]
 

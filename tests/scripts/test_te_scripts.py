@@ -106,6 +106,7 @@ def _fake_tools(tmp_path):
     (bin_dir / "python3").write_text(
         "#!/usr/bin/env bash\n"
         f'echo "$*" >> {tmp_path}/calls.log\n'
+        f'echo "${{MOEBLAZE_WARP_SPECIALIZE:-unset}} $1" >> {tmp_path}/knobs.log\n'
         'case "$1 $2" in\n'
         "  *transformer_engine*|*megatron.core*) exit 0 ;;\n"
         f'  "-c "*) exec {sys.executable} "$@" ;;\n'
@@ -120,20 +121,25 @@ def _fake_tools(tmp_path):
     return bin_dir
 
 
-def test_gpu_suite_te_steps_commands(tmp_path):
-    """STEPS="te_check te_layer te_select te_compare": the commands the suite runs parse with the
-    scripts' own parsers; the selected variant of each family reaches its comparison; only
-    TE_RESUME_FAMILY runs the resume check; the outputs fold into the archive and top-level JSON."""
+def _fake_suite(tmp_path, **env):
+    """gpu_suite.sh over the fake tools with ``env``: (its results folder, the finished process,
+    the scripts it ran, one command line each), the run checked to have passed."""
     bin_dir = _fake_tools(tmp_path)
     out = tmp_path / "out"
     done = subprocess.run(
         ["bash", str(REPO / "scripts" / "gpu_suite.sh")], capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out),
-             "STEPS": "te_check te_layer te_select te_compare", "TE_STATE_DIR": str(tmp_path / "state"),
-             "TE_RESUME_FAMILY": "qwen3_moe"})
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), **env})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    calls = (tmp_path / "calls.log").read_text().splitlines()
-    scripts_run = [c.split()[0] for c in calls if c.startswith("scripts/")]
+    return out, done, [c for c in (tmp_path / "calls.log").read_text().splitlines() if c.startswith("scripts/")]
+
+
+def test_gpu_suite_te_steps_commands(tmp_path):
+    """STEPS="te_check te_layer te_select te_compare": the commands the suite runs parse with the
+    scripts' own parsers; the selected variant of each family reaches its comparison; only
+    TE_RESUME_FAMILY runs the resume check; the outputs fold into the archive and top-level JSON."""
+    out, done, calls = _fake_suite(tmp_path, STEPS="te_check te_layer te_select te_compare",
+                                   TE_STATE_DIR=str(tmp_path / "state"), TE_RESUME_FAMILY="qwen3_moe")
+    scripts_run = [c.split()[0] for c in calls]
     assert scripts_run == ["scripts/gpu_megatron_check.py", "scripts/bench_layer.py"] + [
         "scripts/compare_dispatchers.py"] * 4 + ["scripts/te_summary.py"]
     assert all("rc=0" in line for line in done.stdout.splitlines() if line.startswith("== ") and "rc=" in line)
@@ -149,12 +155,19 @@ def test_gpu_suite_te_steps_commands(tmp_path):
 def test_gpu_suite_titan_step(tmp_path):
     """STEPS=titan runs compare_torchtitan.py (its own parser takes the command) with TITAN_FLAGS,
     its output under the results folder."""
-    bin_dir = _fake_tools(tmp_path)
-    out = tmp_path / "out"
-    done = subprocess.run(
-        ["bash", str(REPO / "scripts" / "gpu_suite.sh")], capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "STEPS": "titan",
-             "TITAN_FLAGS": "--loss plain --local-batch-size 8"})
-    assert done.returncode == 0 and "== titan rc=0" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
-    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines() if c.startswith("scripts/")]
+    out, done, calls = _fake_suite(tmp_path, STEPS="titan", TITAN_FLAGS="--loss plain --local-batch-size 8")
+    assert "== titan rc=0" in done.stdout
     assert calls == [f"scripts/compare_torchtitan.py --out {out}/compare_torchtitan --loss plain --local-batch-size 8"]
+
+
+def test_gpu_suite_ws_ab_step(tmp_path):
+    """STEPS=ws_ab alternates bench_layer runs with MOEBLAZE_WARP_SPECIALIZE at the default ("fwd")
+    and at 1, each round's records under its own tag, the float64 check in the first round only."""
+    _, _, calls = _fake_suite(tmp_path, STEPS="ws_ab", WS_AB_ROUNDS="2")
+    assert [c.split("--tag ")[1].split()[0] for c in calls] == [
+        "bench_layer_ws_fwd_1", "bench_layer_ws_1_1", "bench_layer_ws_fwd_2", "bench_layer_ws_1_2"]
+    assert ["--no-check" in c for c in calls] == [False, False, True, True]
+    assert all("--configs conf4 --acts swiglu,silu" in c and "--impls moeblaze" in c for c in calls)
+    knobs = [line.split()[0] for line in (tmp_path / "knobs.log").read_text().splitlines()
+             if line.endswith("scripts/bench_layer.py")]
+    assert knobs == ["fwd", "1", "fwd", "1"]
