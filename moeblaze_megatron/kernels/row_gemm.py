@@ -385,7 +385,7 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
     ``warp_specialize``: run the fused epilogues (the activation forward and backward) in
     ``row_gemm_ws_kernel`` (Gluon, Hopper: the epilogue in warps of its own) where it takes the
     launch (None, the default: for the epilogues ``KNOBS.warp_specialize`` names, from
-    ``WS_MIN_COLUMNS`` columns on), always (True: an error where it cannot) or never (False)."""
+    ``WS_MIN_COLUMNS[epilogue]`` columns on), always (True: an error where it cannot) or never (False)."""
     if epilogue in (EPI_ACT_FWD, EPI_ACT_BWD) and warp_specialize is not False:
         call = _warp_specialized(a, weight, out, plan, epilogue, activation, gather_a, transpose_weight, pre,
                                  store_pre, probs_sorted, ds_partial, n, required=warp_specialize is True)
@@ -466,18 +466,19 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
 
 
 # The knob's launches go to the warp-specialized kernel from this many output columns (the layer's
-# width) on: below, its faster fc1 did not shorten the layer's step (benchmarks/NOTES.md,
-# twenty-ninth session).
-WS_MIN_COLUMNS = 1024
+# width) on, per fused epilogue: fc1's from 1024 (below, its faster fc1 did not shorten the
+# layer's step: benchmarks/NOTES.md, twenty-ninth session); dH's, not measured in the layer at
+# 128 x 128 yet, wherever the knob names it.
+WS_MIN_COLUMNS = {EPI_ACT_FWD: 1024, EPI_ACT_BWD: 0}
 
 
 def _warp_specialized(a, weight, out, plan, epilogue, activation, gather_a, transpose_weight, pre, store_pre,
                       probs_sorted, ds_partial, n, *, required):
     """``row_gemm_ws_kernel``'s call for a fused-epilogue launch it takes (where the knob names the
-    epilogue and ``n`` is at least WS_MIN_COLUMNS, or ``required``), else None; ``required``: a
+    epilogue and ``n`` is at least its WS_MIN_COLUMNS, or ``required``), else None; ``required``: a
     ValueError where it cannot take it."""
     device = gpu_of(a)
-    chosen = WS_EPILOGUES[epilogue] in KNOBS.warp_specialize and n >= WS_MIN_COLUMNS
+    chosen = WS_EPILOGUES[epilogue] in KNOBS.warp_specialize and n >= WS_MIN_COLUMNS[epilogue]
     if device is None or KNOBS.interpret or not (required or chosen):
         if required:
             raise ValueError("row_gemm(warp_specialize=True): the warp-specialized fused epilogues run on a GPU, "

@@ -174,7 +174,7 @@ def test_the_layer_with_warp_specialized_epilogues(monkeypatch, activation, halv
 
     def run(warp_specialize):
         monkeypatch.setattr(KNOBS, "warp_specialize", frozenset({"fwd", "bwd"} if warp_specialize else ()))
-        monkeypatch.setattr(row_gemm_module, "WS_MIN_COLUMNS", 0)  # h = 320 here
+        monkeypatch.setattr(row_gemm_module, "WS_MIN_COLUMNS", {EPI_ACT_FWD: 0, EPI_ACT_BWD: 0})  # h = 320 here
         y, probs_sorted, pre = fused_forward(x, probs, weight, fc2, plan, activation, save_pre=True)
         gx, gp, g1, g2 = fused_backward(gy, x, probs_sorted, weight, fc2, plan, activation, pre, (True,) * 4)
         return y, gx, gp, torch.cat(g1, dim=1) if isinstance(g1, tuple) else g1, g2
@@ -188,11 +188,12 @@ def test_the_layer_with_warp_specialized_epilogues(monkeypatch, activation, halv
             assert torch.equal(a, b), name
 
 
-def test_by_default_the_wide_activation_forwards_run_warp_specialized():
+def test_by_default_the_wide_activation_forwards_run_warp_specialized(monkeypatch):
     """MOEBLAZE_WARP_SPECIALIZE's default ("fwd"): fc1 with its activation in the Gluon kernel from
     WS_MIN_COLUMNS output columns on (the faster there in the layer, benchmarks/NOTES.md), in the
-    Triton kernel below; dH with the activation backward in the Triton kernel."""
-    from moeblaze_megatron.kernels.knobs import read_knobs
+    Triton kernel below; dH with the activation backward in the Triton kernel. With "1", dH in the
+    Gluon kernel at every width."""
+    from moeblaze_megatron.kernels.knobs import KNOBS, read_knobs
     from moeblaze_megatron.kernels.row_gemm import WS_MIN_COLUMNS, row_gemm_call, row_gemm_kernel
     from moeblaze_megatron.kernels.row_gemm_ws import row_gemm_ws_kernel
 
@@ -212,5 +213,7 @@ def test_by_default_the_wide_activation_forwards_run_warp_specialized():
                             ds_partial=torch.empty(rows, row_gemm_ds_tiles(n), device="cuda"), n=n)
         return fwd.kernel, bwd.kernel
 
-    assert kernels(WS_MIN_COLUMNS) == (row_gemm_ws_kernel, row_gemm_kernel)
-    assert kernels(WS_MIN_COLUMNS - 128) == (row_gemm_kernel, row_gemm_kernel)
+    assert kernels(WS_MIN_COLUMNS[EPI_ACT_FWD]) == (row_gemm_ws_kernel, row_gemm_kernel)
+    assert kernels(WS_MIN_COLUMNS[EPI_ACT_FWD] - 128) == (row_gemm_kernel, row_gemm_kernel)
+    monkeypatch.setattr(KNOBS, "warp_specialize", read_knobs({"MOEBLAZE_WARP_SPECIALIZE": "1"}).warp_specialize)
+    assert kernels(256) == (row_gemm_kernel, row_gemm_ws_kernel)
