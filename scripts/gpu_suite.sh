@@ -14,7 +14,8 @@
 # about a minute per config with four implementations): STEPS picks some of them (default:
 # "tests megatron routing layer silu"; TESTS_PATHS narrows the tests (default tests/gpu); "ring"
 # times one hop of the expert-parallel ring at the memory model's shapes (bench_ring_hop); "tune"
-# times the six GEMMs config by config, TUNE_ARGS adds tune_kernels.py flags; LAYER_CONFIGS,
+# times the six GEMMs config by config, TUNE_ARGS adds tune_kernels.py flags; "ncu" profiles one
+# launch with Nsight Compute (NCU_KERNEL, NCU_OPS, NCU_SHAPE: see the step); LAYER_CONFIGS,
 # LAYER_ACTS, LAYER_IMPLS and LAYER_FLAGS (default --profile) shape the layer step; "power" runs
 # scripts/power_probe.py --kernels on POWER_CONFIGS and POWER_IMPLS; "titan" trains stock torchtitan
 # 0.3.0 and the override side by side, scripts/compare_torchtitan.py with TITAN_FLAGS, ~5 minutes,
@@ -52,8 +53,8 @@ export PYTHONUNBUFFERED=1
 steps=" ${STEPS:-tests megatron routing layer silu} "
 for name in $steps; do
   case $name in
-    tests|megatron|routing|ring|tune|power|layer|silu|ws_ab|titan|te_check|te_layer|te_select|te_compare) ;;
-    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing ring tune power layer silu ws_ab titan" \
+    tests|megatron|routing|ring|tune|ncu|power|layer|silu|ws_ab|titan|te_check|te_layer|te_select|te_compare) ;;
+    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing ring tune ncu power layer silu ws_ab titan" \
          "te_check te_layer te_select te_compare"; exit 1 ;;
   esac
 done
@@ -101,6 +102,18 @@ step routing "${ROUTING_S:-60}" 24 python3 scripts/bench_routing.py --quick --ou
 step ring "${RING_S:-420}" 80 python3 scripts/bench_ring_hop.py --out "$out"
 # shellcheck disable=SC2086  # TUNE_ARGS is a list of flags
 step tune "${TUNE_S:-200}" 40 python3 scripts/tune_kernels.py --out "$out" --time-limit $(( ${TUNE_S:-200} - 40 )) ${TUNE_ARGS:-}
+# Nsight Compute on one launch of the kernels NCU_KERNEL names (a regex, default the warp-specialized
+# row GEMM) while tune_kernels.py times NCU_OPS (dh_ws) at NCU_SHAPE (conf4): warp states and
+# per-instruction stall samples, kept as ncu_details.csv and ncu_source.csv (SASS) in $out.
+ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+step ncu "${NCU_S:-300}" 12 "${ncu_bin:-ncu}" -f -k "regex:${NCU_KERNEL:-row_gemm_ws}" -s 1 -c 1 --section SpeedOfLight \
+  --section WarpStateStats --section SourceCounters --section SchedulerStats --section MemoryWorkloadAnalysis \
+  --section LaunchStats -o "${TMPDIR:-/tmp}/ncu_profile" python3 scripts/tune_kernels.py --shapes "${NCU_SHAPE:-conf4}" \
+  --ops "${NCU_OPS:-dh_ws}" --configs none --reps 2 --out /tmp/ncu_tune
+if [[ $steps == *" ncu "* ]] && [ -f "${TMPDIR:-/tmp}/ncu_profile.ncu-rep" ]; then
+  "$ncu_bin" -i "${TMPDIR:-/tmp}/ncu_profile.ncu-rep" --page details --csv > "$out/ncu_details.csv"
+  "$ncu_bin" -i "${TMPDIR:-/tmp}/ncu_profile.ncu-rep" --page source --csv --print-source sass > "$out/ncu_source.csv"
+fi
 if [ -n "${build:-}" ]; then
   wait "$build"; tail -n 2 /tmp/megablocks_build.log
 fi

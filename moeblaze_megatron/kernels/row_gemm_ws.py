@@ -592,7 +592,7 @@ WS_REQUIREMENTS = (
     f"a multiple of {WS_TILES[EPI_ACT_FWD]['BLOCK_K']} and at least {_min_k(EPI_ACT_FWD)} (the activation forward) "
     f"or {_min_k(EPI_ACT_BWD)} (the backward), float16 or bfloat16 throughout, and the weight contiguous: "
     f"[E, out, K] read transposed (or a gate/up pair of them) for the activation forward, [E, K, N] as it is for "
-    f"the backward, whose saved pre-activations need unit column stride and 16-byte aligned rows")
+    f"the backward, whose saved pre-activations need at least one row, unit column stride and 16-byte aligned rows")
 
 
 def on_hopper(capability) -> bool:
@@ -606,7 +606,7 @@ def ws_takes(a, weight, out, pre, epilogue, transpose_weight, capability) -> boo
     of BLOCK_K, at least (STAGES - 1) * BLOCK_K: the loads run that far into the next tile), and
     the weight contiguous: [E, out, K] read transposed for the activation forward (a (gate, up)
     pair of them for SwiGLU too), [E, K, N] as it is for the activation backward, whose saved
-    pre-activations come by TMA (unit column stride, 16-byte aligned start and rows)."""
+    pre-activations come by TMA (at least one row, unit column stride, 16-byte aligned start and rows)."""
     if not on_hopper(capability) or transpose_weight != (epilogue == EPI_ACT_FWD):
         return False
     weights = weight if isinstance(weight, tuple) else (weight,)
@@ -615,8 +615,9 @@ def ws_takes(a, weight, out, pre, epilogue, transpose_weight, capability) -> boo
         return False
     k_dim = a.shape[1]
     size = a.element_size()
-    if epilogue == EPI_ACT_BWD and not (pre is not None and pre.stride(1) == 1 and (pre.stride(0) * size) % 16 == 0
-                                        and pre.data_ptr() % 16 == 0):
+    # (A TMA descriptor takes no empty dimension: with no rows at all the Triton kernel runs.)
+    if epilogue == EPI_ACT_BWD and not (pre is not None and pre.shape[0] > 0 and pre.stride(1) == 1
+                                        and (pre.stride(0) * size) % 16 == 0 and pre.data_ptr() % 16 == 0):
         return False
     return (k_dim % ws_tile(epilogue)["BLOCK_K"] == 0 and k_dim >= _min_k(epilogue) and a.stride(1) == 1
             and (a.stride(0) * size) % 16 == 0 and a.data_ptr() % 16 == 0

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import torch
@@ -116,6 +117,13 @@ def _fake_tools(tmp_path):
         "esac\n"
         "exit 0\n")
     (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho fake-gpu\n")
+    # Nsight Compute: logs its command line; -o NAME writes NAME.ncu-rep, -i prints a page.
+    (bin_dir / "ncu").write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$*" >> {tmp_path}/ncu.log\n'
+        'prev=; for a in "$@"; do [ "$prev" = -o ] && echo rep > "$a.ncu-rep"; prev=$a; done\n'
+        '[ "$1" = -i ] && echo "page,$4"\n'
+        "exit 0\n")
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     return bin_dir
@@ -158,6 +166,20 @@ def test_gpu_suite_titan_step(tmp_path):
     out, done, calls = _fake_suite(tmp_path, STEPS="titan", TITAN_FLAGS="--loss plain --local-batch-size 8")
     assert "== titan rc=0" in done.stdout
     assert calls == [f"scripts/compare_torchtitan.py --out {out}/compare_torchtitan --loss plain --local-batch-size 8"]
+
+
+def test_gpu_suite_ncu_step(tmp_path):
+    """STEPS=ncu profiles one launch of the warp-specialized kernel while tune_kernels.py times
+    NCU_OPS at NCU_SHAPE, and exports the details and SASS source pages into the archive."""
+    out, done, _ = _fake_suite(tmp_path, STEPS="ncu", NCU_SHAPE="qwen3", TMPDIR=str(tmp_path))
+    assert "== ncu rc=0" in done.stdout
+    profile, *exports = (tmp_path / "ncu.log").read_text().splitlines()
+    assert "-k regex:row_gemm_ws -s 1 -c 1" in profile and "--section SourceCounters" in profile
+    assert profile.endswith("scripts/tune_kernels.py --shapes qwen3 --ops dh_ws --configs none --reps 2 "
+                            "--out /tmp/ncu_tune")
+    assert [e.split("--page ")[1].split()[0] for e in exports] == ["details", "source"]
+    with tarfile.open(out / "results.tar.gz") as tar:
+        assert {"./ncu_details.csv", "./ncu_source.csv"} <= set(tar.getnames())
 
 
 def test_gpu_suite_ws_ab_step(tmp_path):
