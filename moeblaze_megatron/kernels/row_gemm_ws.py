@@ -551,21 +551,26 @@ def row_gemm_ws_kernel(
     ], [EPILOGUE_WARPS], [EPILOGUE_REGS])
 
 
-# Two warpgroups on each tile. fc1: 128 x 256 (the Triton kernel's tile; for SwiGLU 128 gate and
-# 128 up columns), three 48 KB stages beside the 64 KB tile buffer (208 KB). dH: 128 x 128
+# Two warpgroups of main loop on each tile. fc1: 128 x 256 (the Triton kernel's tile; for SwiGLU 128
+# gate and 128 up columns), three 48 KB stages beside the 64 KB tile buffer (208 KB). dH: 128 x 128
 # (DS_COLS: the router-gradient partials' span), four 32 KB stages, the 32 KB tile buffer and the
 # tile's pre-activations by TMA, 64 KB for SwiGLU (224 KB of the 227 KB a program may have; a
 # 128 x 256 tile leaves no room for them, and two stages cost too much: benchmarks/NOTES.md).
+# 4 epilogue warps each: dH's epilogue waits on its main loop more than half the time, and 8
+# warps (16 x 128 registers) measured slower (thirty-first session).
 WS_TILES = {
-    EPI_ACT_FWD: dict(BLOCK_M=128, BLOCK_N=2 * DS_COLS, BLOCK_K=64, GROUP_M=8, STAGES=3, CHUNK=16),
-    EPI_ACT_BWD: dict(BLOCK_M=128, BLOCK_N=DS_COLS, BLOCK_K=64, GROUP_M=8, STAGES=4, CHUNK=16),
+    EPI_ACT_FWD: dict(BLOCK_M=128, BLOCK_N=2 * DS_COLS, BLOCK_K=64, GROUP_M=8, STAGES=3, CHUNK=16, EPILOGUE_WARPS=4),
+    EPI_ACT_BWD: dict(BLOCK_M=128, BLOCK_N=DS_COLS, BLOCK_K=64, GROUP_M=8, STAGES=4, CHUNK=16, EPILOGUE_WARPS=4),
 }
-# 12 warps: 8 main-loop warps and 4 epilogue warps. 384 threads x 168 registers fill the
-# multiprocessor's 64K (fc1's accumulator alone holds 128 per thread).
-WS_WARPS = 8
-WS_EPILOGUE_WARPS = 4
-WS_MAXNREG = 168
-WS_EPILOGUE_REGS = 168
+WS_WARPS = 8  # the main loop's
+
+
+def ws_registers(tile) -> int:
+    """Registers a thread of a launch with this tile: the multiprocessor's 64K over its warps, in
+    whole 8s (12 warps: 168, which fc1's 128 x 256 accumulator needs; 16 warps: 128)."""
+    return 65536 // (32 * (WS_WARPS + tile["EPILOGUE_WARPS"])) // 8 * 8
+
+
 WS_DTYPES = ("torch.bfloat16", "torch.float16")
 
 
@@ -592,7 +597,7 @@ WS_REQUIREMENTS = (
     f"a multiple of {WS_TILES[EPI_ACT_FWD]['BLOCK_K']} and at least {_min_k(EPI_ACT_FWD)} (the activation forward) "
     f"or {_min_k(EPI_ACT_BWD)} (the backward), float16 or bfloat16 throughout, and the weight contiguous: "
     f"[E, out, K] read transposed (or a gate/up pair of them) for the activation forward, [E, K, N] as it is for "
-    f"the backward, whose saved pre-activations need at least one row, unit column stride and 16-byte aligned rows")
+    f"the backward, whose saved pre-activations need unit column stride and 16-byte aligned rows")
 
 
 def on_hopper(capability) -> bool:
@@ -606,7 +611,7 @@ def ws_takes(a, weight, out, pre, epilogue, transpose_weight, capability) -> boo
     of BLOCK_K, at least (STAGES - 1) * BLOCK_K: the loads run that far into the next tile), and
     the weight contiguous: [E, out, K] read transposed for the activation forward (a (gate, up)
     pair of them for SwiGLU too), [E, K, N] as it is for the activation backward, whose saved
-    pre-activations come by TMA (at least one row, unit column stride, 16-byte aligned start and rows)."""
+    pre-activations come by TMA (unit column stride, 16-byte aligned start and rows)."""
     if not on_hopper(capability) or transpose_weight != (epilogue == EPI_ACT_FWD):
         return False
     weights = weight if isinstance(weight, tuple) else (weight,)
@@ -615,9 +620,8 @@ def ws_takes(a, weight, out, pre, epilogue, transpose_weight, capability) -> boo
         return False
     k_dim = a.shape[1]
     size = a.element_size()
-    # (A TMA descriptor takes no empty dimension: with no rows at all the Triton kernel runs.)
-    if epilogue == EPI_ACT_BWD and not (pre is not None and pre.shape[0] > 0 and pre.stride(1) == 1
-                                        and (pre.stride(0) * size) % 16 == 0 and pre.data_ptr() % 16 == 0):
+    if epilogue == EPI_ACT_BWD and not (pre is not None and pre.stride(1) == 1 and (pre.stride(0) * size) % 16 == 0
+                                        and pre.data_ptr() % 16 == 0):
         return False
     return (k_dim % ws_tile(epilogue)["BLOCK_K"] == 0 and k_dim >= _min_k(epilogue) and a.stride(1) == 1
             and (a.stride(0) * size) % 16 == 0 and a.data_ptr() % 16 == 0
@@ -661,14 +665,17 @@ def ws_call(a, weight, out, plan, *, epilogue, act_id, glu, pre, n, sm_count, st
         pre_desc = b_desc
         if epilogue == EPI_ACT_BWD:
             box = [bm, tile["CHUNK"]]
-            pre_desc = TensorDescriptor.from_tensor(pre, box, _smem_layout(box, pre.dtype))
+            # A TMA descriptor takes no empty dimension; with no rows no tile runs and nothing is read.
+            rows_pre = pre if pre.shape[0] else pre.new_zeros(1, pre.shape[1])
+            pre_desc = TensorDescriptor.from_tensor(rows_pre, box, _smem_layout(box, pre.dtype))
     tiles = (cdiv(rows_total, bm) + num_experts) * cdiv(n, out_n)
     args = (a, b_desc, b2_desc, pre_desc, out, pre if pre is not None else out,
             probs_sorted if probs_sorted is not None else out, ds_partial if ds_partial is not None else out,
             plan.expert_token_indices, plan.expert_token_offsets, n, a.shape[1], num_experts, b_rows, up_off,
             a.stride(0), out.stride(0), pre.stride(0) if pre is not None else 0,
             ds_partial.stride(0) if ds_partial is not None else 0)
+    regs = ws_registers(tile)
     constexprs = dict(EPILOGUE=epilogue, ACT=act_id, GLU=glu, STORE_PRE=store_pre and pre is not None,
-                      E_POW2=max(next_pow2(num_experts + 1), 16), **tile, EPILOGUE_WARPS=WS_EPILOGUE_WARPS,
-                      EPILOGUE_REGS=WS_EPILOGUE_REGS, num_warps=WS_WARPS, maxnreg=WS_MAXNREG)
+                      E_POW2=max(next_pow2(num_experts + 1), 16), **tile, EPILOGUE_REGS=regs, num_warps=WS_WARPS,
+                      maxnreg=regs)
     return KernelCall(row_gemm_ws_kernel, (max(1, min(tiles, sm_count)),), args, constexprs)

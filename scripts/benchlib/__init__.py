@@ -12,6 +12,7 @@ profiling            CUDA time per kernel, idle gaps, cProfile, labelled profile
 host_costs           host time of each launch site (host_overhead)
 combine_bench        the combine kernel's variants against the torch ops they replace
 kernel_tuning        every expert-GEMM launch timed config by config (tune_kernels)
+ncu_source           Nsight Compute's per-instruction stall samples by loop level (ncu_stalls)
 nvml                 the GPU's power, clock and energy counter through NVML (a sampler, a window over steps)
 power                NVML energy per step, back to back and queued (power_probe)
 routing_bench        the routing plan's build time against stock index computations (bench_routing)

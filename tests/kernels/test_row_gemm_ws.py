@@ -62,7 +62,6 @@ def test_which_act_bwd_launches_it_takes():
     assert not takes(dy, fc2, out, torch.empty(pre.shape[0], pre.shape[1] + 1, dtype=pre.dtype)[:, 1:], False,
                      HOPPER)
     assert takes(dy, fc2, out, torch.empty(pre.shape[0], pre.shape[1] + 8, dtype=pre.dtype)[:, 8:], False, HOPPER)
-    assert not takes(dy[:0], fc2, out[:0], pre[:0], False, HOPPER)  # no rows: a TMA descriptor takes none
     for d in (96, 128):  # K not in whole 64-column steps; fewer than the three steps the loads run ahead
         _, dy, fc2, out, pre, _, _ = _tensors(d=d)
         assert not takes(dy, fc2, out, pre, False, HOPPER)
