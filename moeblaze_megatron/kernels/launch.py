@@ -93,6 +93,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def spans_past_int32(*tensors) -> bool:
+    """Whether an element offset from some tensor's start to its last element reaches 2**31:
+    a kernel addressing them must then compute offsets in 64 bits."""
+    return any(sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) >= 2**31
+               for t in tensors if t.numel())
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1), on the host."""
     return 1 << max(int(n) - 1, 0).bit_length()

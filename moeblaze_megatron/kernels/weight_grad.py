@@ -15,7 +15,7 @@ import triton.language as tl
 from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
 
 from .configs import capability, prune_weight_grad, ragged_tma_takes, weight_grad_configs
-from .launch import KernelCall, cdiv, gpu_of, launch_call, next_pow2
+from .launch import KernelCall, cdiv, gpu_of, launch_call, next_pow2, spans_past_int32
 from .numerics import dot, dot_flags, to_storage
 
 __all__ = ["gathered_weight_grad", "grouped_weight_grads_apply", "weight_grad", "weight_grad_call",
@@ -33,14 +33,17 @@ def weight_grad_kernel(
     a_ptr, b_ptr, c_ptr, token_idx_ptr, offsets_ptr,
     rows_bucket, M, N, E,
     stride_am, stride_bm, stride_ce, stride_cm,
-    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TMA: tl.constexpr, MEND_BF16: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TMA: tl.constexpr, OFFS_64: tl.constexpr,
+    MEND_BF16: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """c[e, m, n] = sum over rows r of expert e of A[srcA(r), m] * B[srcB(r), n].
 
     A and B have unit column stride; ``src`` is the token id (GATHER_*) or r. Experts with no rows
     get zeros. ``TMA``: the operand that is not gathered is a ragged TMA descriptor (rows past the
-    expert's read as zeros by the hardware) instead of a pointer.
+    expert's read as zeros by the hardware) instead of a pointer. ``OFFS_64``: A's and B's element
+    offsets in 64 bits (some reach 2**31); else in 32, which shortens the gathered rows' address
+    arithmetic, redone at every step of the reduction.
     """
     pid_mn = tl.program_id(0)
     e = tl.program_id(1)
@@ -57,18 +60,20 @@ def weight_grad_kernel(
     for r0 in range(lo, hi, BLOCK_K):
         rows = r0 + tl.arange(0, BLOCK_K)
         r_ok = rows < hi
+        src = rows.to(tl.int64) if OFFS_64 else rows
         if GATHER_A or GATHER_B:
-            tok = tl.load(token_idx_ptr + rows, mask=r_ok, other=0).to(tl.int64)
+            tok = tl.load(token_idx_ptr + rows, mask=r_ok, other=0)
+            tok = tok.to(tl.int64) if OFFS_64 else tok
         if TMA and not GATHER_A:
             a = tl.trans(load_ragged(a_ptr, lo, hi - lo, [r0 - lo, pid_m * BLOCK_M]))
         else:
-            src_a = tok if GATHER_A else rows.to(tl.int64)
+            src_a = tok if GATHER_A else src
             a = tl.load(a_ptr + src_a[None, :] * stride_am + ms[:, None], mask=m_ok[:, None] & r_ok[None, :],
                         other=0.0)
         if TMA and not GATHER_B:
             b = load_ragged(b_ptr, lo, hi - lo, [r0 - lo, pid_n * BLOCK_N])
         else:
-            src_b = tok if GATHER_B else rows.to(tl.int64)
+            src_b = tok if GATHER_B else src
             b = tl.load(b_ptr + src_b[:, None] * stride_bm + ns[None, :], mask=r_ok[:, None] & n_ok[None, :],
                         other=0.0)
         acc = dot(a, b, acc, PRECISION)
@@ -122,6 +127,7 @@ def weight_grad_call(a, b, out, plan, *, gather_a, gather_b, tma=None) -> Kernel
     rows_total = plan.expert_token_indices.shape[0]
     grid = lambda meta: (cdiv(m_dim, meta["BLOCK_M"]) * cdiv(n_dim, meta["BLOCK_N"]), num_experts)
     strides = (a.stride(0), b.stride(0), out.stride(0), out.stride(1))
+    offs_64 = spans_past_int32(a, b)
     name, ordered = ("a", a) if gather_b else ("b", b)
     if tma is None:
         tma = gather_a != gather_b and ragged_tma_takes(ordered, rows_total)
@@ -145,5 +151,6 @@ def weight_grad_call(a, b, out, plan, *, gather_a, gather_b, tma=None) -> Kernel
         a, b, out, plan.expert_token_indices, plan.expert_token_offsets,
         next_pow2(rows_total), m_dim, n_dim, num_experts, *strides,
     )
-    constexprs = dict(GATHER_A=gather_a, GATHER_B=gather_b, TMA=tma, MEND_BF16=mend, PRECISION=precision)
+    constexprs = dict(GATHER_A=gather_a, GATHER_B=gather_b, TMA=tma, OFFS_64=offs_64,
+                      MEND_BF16=mend, PRECISION=precision)
     return KernelCall(weight_grad_kernel, grid, args, constexprs)

@@ -27,6 +27,17 @@ def test_host_helpers_match_triton():
     assert launch_mod.next_pow2(0) == 1
 
 
+def test_spans_past_int32_reads_the_furthest_element_offset():
+    def view(shape, strides):
+        return torch.empty(1, device="meta").as_strided(shape, strides)
+
+    assert not launch_mod.spans_past_int32(torch.empty(2**31, device="meta"))  # last offset 2**31 - 1
+    assert launch_mod.spans_past_int32(torch.empty(2**31 + 1, device="meta"))
+    assert launch_mod.spans_past_int32(view((3, 8), (2**30, 1)))  # 2 * 2**30 + 7
+    assert not launch_mod.spans_past_int32(view((2, 8), (2**30, 1)), torch.empty(0, 2**40, device="meta"))
+    assert launch_mod.spans_past_int32(view((2, 8), (2**30, 1)), view((8, 2), (1, 2**31)))  # any of them
+
+
 def test_direct_launch_switch():
     assert read_knobs({}).direct_launch
     assert not read_knobs({"MOEBLAZE_DIRECT_LAUNCH": "0"}).direct_launch

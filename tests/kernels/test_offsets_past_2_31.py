@@ -21,6 +21,7 @@ from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels.combine import combine
 from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD, row_gemm_ds_tiles
 from moeblaze_megatron.kernels.tuning import row_gemm_with, weight_grad_with
+from moeblaze_megatron.kernels.weight_grad import weight_grad_call
 
 CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4)
 WGRAD_CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4)
@@ -101,6 +102,10 @@ def test_weight_gradients_reach_rows_and_experts_past_2_31(tma):
 
     def grads(dy, rows_h, rows_pre, x, alloc):
         dw2, dw1 = alloc(tuple(fc2.shape)), alloc(tuple(fc1.shape))
+        # Compact operands take the 32-bit offsets, far ones the 64-bit ones: both give the same bits.
+        far_operands = dy.stride(0) > D
+        assert weight_grad_call(dy, rows_h, dw2, plan, gather_a=True, gather_b=False,
+                                tma=tma).constexprs["OFFS_64"] == far_operands
         weight_grad_with(WGRAD_CONFIG, dy, rows_h, dw2, plan, gather_a=True, gather_b=False, tma=tma)
         weight_grad_with(WGRAD_CONFIG, rows_pre, x, dw1, plan, gather_a=False, gather_b=True, tma=tma)
         return dw2, dw1

@@ -175,6 +175,9 @@ def test_gpu_suite_ncu_step(tmp_path):
     assert "== ncu rc=0" in done.stdout
     profile, *exports = (tmp_path / "ncu.log").read_text().splitlines()
     assert "-k regex:row_gemm_ws -s 1 -c 1" in profile and "--section SourceCounters" in profile
+    (other := tmp_path / "skip").mkdir()
+    _fake_suite(other, STEPS="ncu", NCU_KERNEL="weight_grad", NCU_SKIP="2", TMPDIR=str(other))
+    assert "-k regex:weight_grad -s 2 -c 1" in (other / "ncu.log").read_text().splitlines()[0]
     assert profile.endswith("scripts/tune_kernels.py --shapes qwen3 --ops dh_ws --configs none --reps 2 "
                             "--out /tmp/ncu_tune")
     assert [e.split("--page ")[1].split()[0] for e in exports] == ["details", "source"]
