@@ -1,7 +1,8 @@
 """Element offsets past 2**31 from a tensor's start, under the interpreter and at a small cost.
 
-Every kernel addresses its operands with 64-bit offsets, so rows and experts that lie past 2**31
-elements must give the bits the same launch gives on compact copies. The far operands are views
+Every kernel addresses its operands with 64-bit offsets (the weight gradients only where an operand
+reaches 2**31 elements, 32-bit ones below), so rows and experts that lie past 2**31 elements must
+give the bits the same launch gives on compact copies. The far operands are views
 with huge strides over storage that is allocated but never touched between the rows used (the
 operating system commits none of it), so a few dozen rows reach past 2**31 elements: an offset
 computed in 32 bits would wrap onto another address. (tests/gpu/test_kernels_gpu.py runs whole
