@@ -263,6 +263,37 @@ def test_gathered_weight_grad_on_the_gpu(gather_a, kind):
             assert (out[e] == 0).all()
 
 
+@pytest.mark.parametrize("gather_a", [True, False])
+def test_weight_grad_depths_give_the_same_bits(gather_a, monkeypatch):
+    """Where the ordered operand goes through TMA, the autotuner times one tile at several depths
+    (configs.prune_weight_grad): whichever wins, the gradient's bits are the same, and they match
+    float64 per expert."""
+    from moeblaze_megatron.kernels import configs as cf
+    from moeblaze_megatron.kernels.tuning import weight_grad_with
+    from moeblaze_megatron.kernels.weight_grad import weight_grad_call
+
+    monkeypatch.setattr(KNOBS, "autotune", True)
+    torch.manual_seed(5)
+    T, E, K, rows_width, token_width = 8192, 16, 4, 768, 512  # 2048 rows an expert: the strict pruning
+    plan = build_routing_plan(_routing(T, E, K, "random", "cuda"), E)
+    rows = torch.randn(T * K, rows_width, device="cuda").bfloat16()
+    tokens = torch.randn(T, token_width, device="cuda").bfloat16()
+    a, b = (tokens, rows) if gather_a else (rows, tokens)
+    call = weight_grad_call(a, b, torch.empty(E, a.shape[1], b.shape[1], device="cuda"), plan,
+                            gather_a=gather_a, gather_b=not gather_a)
+    assert call.constexprs["TMA"]
+    named = {"rows_bucket": call.args[5], "E": E}
+    kept = cf.prune_weight_grad(cf.weight_grad_configs(), named, GATHER_A=gather_a, GATHER_B=not gather_a, TMA=True)
+    assert len(kept) >= 2 and len({(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) for c in kept}) == 1
+    results = []
+    for config in kept:
+        out = torch.full((E, a.shape[1], b.shape[1]), float("nan"), device="cuda", dtype=torch.bfloat16)
+        weight_grad_with(config, a, b, out, plan, gather_a=gather_a, gather_b=not gather_a)
+        results.append(out)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    assert _rel(results[0], per_expert_weight_grad64(tokens, rows, plan, gather_a)) < 1e-2
+
+
 @pytest.mark.parametrize("recompute", ["activation", "fc1"])
 @pytest.mark.parametrize("T,d,h,E,K", [(2048, 512, 768, 8, 2), (1500, 384, 256, 32, 8), (640, 2048, 768, 128, 8)])
 def test_gate_up_halves_match_the_stacked_weight(T, d, h, E, K, recompute):

@@ -84,13 +84,16 @@ def test_narrow_tiles_are_timed_only_for_experts_with_few_rows(gpu_lists, rows_p
                   if c.kwargs["BLOCK_M"] == c.kwargs["BLOCK_N"]]
         assert square and (all(c in kept for c in square) if few else not any(c in kept for c in square))
         assert len(kept) >= 2
-        # With the ordered operand through TMA, each orientation's measured winner runs alone.
+        # With the ordered operand through TMA, each orientation's measured winner is timed at its
+        # depths only: one tile, so whichever depth wins, the same bits.
         through_tma = cf.prune_weight_grad(wgrad, shape, GATHER_A=gather_a, GATHER_B=not gather_a, TMA=True)
         if few:
             assert through_tma == kept
         else:
-            assert [cf.config_label(c) for c in through_tma] == [
-                "128x256x64/g-/w8/s5" if gather_a else "256x128x32/g-/w8/s8"]
+            winner = "128x256x64/g-/w8" if gather_a else "256x128x32/g-/w8"
+            labels = [cf.config_label(c) for c in through_tma]
+            assert len(labels) >= 2 and all(label.startswith(winner + "/s") for label in labels)
+            assert labels[0] == winner + ("/s5" if gather_a else "/s8")
     # A list of square tiles only (MOEBLAZE_AUTOTUNE=0's) keeps its one config.
     lone = [c for c in wgrad if c.kwargs["BLOCK_M"] == c.kwargs["BLOCK_N"]]
     assert cf.prune_weight_grad(lone, shape, GATHER_A=True, GATHER_B=False) == lone
