@@ -152,7 +152,7 @@ def weight_grad_configs():
         configs = [triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8, num_stages=5)]
     else:
         # The row ids are loaded inside the loop and take pipeline stages of their own: s stages
-        # hold s // 2 buffers of A and B (Triton 3.6). The first tile of each orientation is the
+        # hold ceil(s / 2) buffers of A and B (Triton 3.6). The first tile of each orientation is the
         # TMA operand's winner, listed at each depth worth timing (the same tile gives the same
         # bits at any depth); 256x128x64 is the pointer form's.
         configs = [

@@ -49,7 +49,7 @@ WGRAD_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, extras: 
     (128, 256, 64, 8, 4), (128, 256, 64, 8, 5), (256, 128, 64, 8, 4), (256, 128, 64, 8, 5),
     (128, 128, 32, 8, 6), (64, 128, 64, 4, 5), (128, 64, 64, 4, 5), (128, 128, 128, 8, 4),
     (256, 128, 32, 8, 8), (128, 256, 32, 8, 8),
-    # The row ids take pipeline stages of their own: num_stages s holds s // 2 buffers of A and B.
+    # The row ids take pipeline stages of their own: num_stages s holds ceil(s / 2) buffers of A and B.
     (256, 128, 32, 8, 12), (256, 128, 32, 8, 14), (256, 128, 32, 8, 16), (128, 256, 64, 8, 7),
     (128, 256, 32, 8, 12), (128, 256, 32, 8, 16),
     # Two 8-warp programs per multiprocessor: shared memory for two, registers capped at 128.
