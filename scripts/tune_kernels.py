@@ -14,9 +14,9 @@ fc1_act_pointer / dh_act_bwd_pointer / dx_pointer (the weight through pointer lo
 layer's TMA descriptor), fc2_rows_pointer / dx_rows_pointer (A and the output, in expert order,
 through pointers instead of ragged TMA descriptors) and fc1_plain / dh_plain (fc1 and dH with a
 plain store instead of their fused epilogues: what the epilogues cost). With --energy-seconds S
-each op as the layer launches it, and a dense mm of fc1's size, also gets its energy per launch
-(NVML, nvidia-ml-py) over S seconds of back-to-back launches: on a power-capped GPU what a launch
-costs the step.
+each op, as the layer launches it and at every candidate config, and a dense mm of fc1's size,
+also gets its energy per launch (NVML, nvidia-ml-py) over S seconds of back-to-back launches: on a
+power-capped GPU what a launch costs the step, which may rank the configs otherwise than their ms.
 
     python scripts/tune_kernels.py --shapes conf4,qwen3,7b --out /tmp/tune
     python scripts/tune_kernels.py --shapes conf6 --activation silu --ops fc1_act,dh_act_bwd
@@ -47,8 +47,9 @@ def main(argv=None):
                     "the candidate configs whose label contains one of them (default: all)")
     ap.add_argument("--time-limit", type=float, default=400.0, help="seconds; stops starting new shapes after")
     ap.add_argument("--energy-seconds", type=float, default=0.0,
-                    help="also read each op's energy per call (as the layer launches it, and a dense mm of fc1's "
-                    "size) through NVML over back-to-back loops of this many seconds (default 0: not read)")
+                    help="also read each op's energy per call (as the layer launches it and at each candidate "
+                    "config, and a dense mm of fc1's size) through NVML over back-to-back loops of this many seconds "
+                    "(default 0: not read)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if config_name(s) not in CONFIGS]

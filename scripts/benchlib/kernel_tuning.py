@@ -320,8 +320,9 @@ def tune(shapes, ops_wanted, activation, reps, config_filters, time_limit, out=N
     aliases) with the autotuner's pick and with each candidate config whose label contains one of
     ``config_filters``, printed as it goes; no new shape starts after ``time_limit`` seconds;
     ``out``: the folder of tune_kernels.json. Ends with the best config per op. With
-    ``energy_seconds``, each op as the layer launches it, and a dense mm of fc1's size, also get
-    their energy per call through NVML (``energy_per_call`` over loops that long)."""
+    ``energy_seconds``, each op (as the layer launches it and at each candidate config) and a
+    dense mm of fc1's size also get their energy per call through NVML (``energy_per_call`` over
+    loops that long)."""
     t_start = time.time()
     records, best = [], {}
     wanted = set(ops_wanted)
@@ -391,8 +392,9 @@ def tune(shapes, ops_wanted, activation, reps, config_filters, time_limit, out=N
                     err = max(rel_err(o, r) for o, r in zip(outputs(), ref))
                     ms = time_op(lambda: launch(cfg), reset, reps)
                     rec.update(ms=ms, tflops=flops / ms / 1e9, err=err, ok=err < 2e-2)
-                    if sampler is not None and cfg is None:
-                        rec["energy"] = energy_per_call(lambda: launch(None), reset, sampler, energy_seconds)
+                    if sampler is not None:
+                        # Each config's too: on a power-capped GPU the step pays energy, not ms.
+                        rec["energy"] = energy_per_call(lambda: launch(cfg), reset, sampler, energy_seconds)
                         rec["energy"]["pj_per_flop"] = rec["energy"]["joules"] / flops * 1e12
                 except Exception as exc:  # out of shared memory or registers: recorded, not fatal
                     rec.update(ms=None, tflops=None, err=None, ok=False, error=f"{type(exc).__name__}: {str(exc)[:120]}")
