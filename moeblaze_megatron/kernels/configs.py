@@ -185,8 +185,8 @@ def prune_weight_grad(configs, named_args, **kwargs):
             or (c.kwargs[long_side] == c.kwargs[short_side] and not strict)] or configs
     if strict and args.get("TMA"):
         # With the ordered operand through TMA, the first long tile of the list won every tuning
-        # on record (45 of 45: benchmarks/NOTES.md, twenty-first session): only its depths are
-        # timed, which give the same bits (deeper won Qwen3-like dW1, lost 7B-like's: thirty-third).
+        # on record (45 of 45: benchmarks/NOTES.md, twenty-first session); which depth wins
+        # depends on the shape (thirty-third), and one tile gives the same bits at any depth.
         keep = [c for c in keep if _tile(c) == _tile(keep[0])]
     return keep
 

@@ -282,8 +282,8 @@ def test_weight_grad_depths_give_the_same_bits(gather_a, monkeypatch):
     call = weight_grad_call(a, b, torch.empty(E, a.shape[1], b.shape[1], device="cuda"), plan,
                             gather_a=gather_a, gather_b=not gather_a)
     assert call.constexprs["TMA"]
-    named = {"rows_bucket": call.args[5], "E": E}
-    kept = cf.prune_weight_grad(cf.weight_grad_configs(), named, GATHER_A=gather_a, GATHER_B=not gather_a, TMA=True)
+    named = dict(zip(call.kernel.arg_names, call.args))  # as the autotuner hands them to the pruning
+    kept = cf.prune_weight_grad(cf.weight_grad_configs(), named, **call.constexprs)
     assert len(kept) >= 2 and len({(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) for c in kept}) == 1
     results = []
     for config in kept:
