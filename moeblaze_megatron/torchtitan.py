@@ -47,6 +47,7 @@ from torchtitan.config.override import derive
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 
+from .compiled_op import expert_mlp
 from .config import MoEBlazeConfig
 from .moe_mlp import check_moe_mlp_args, moe_mlp, resolved_backend, start_compile_workers
 from .parallel.alltoall import prepare_send
@@ -163,6 +164,8 @@ class MoEBlazeRoutedExperts(RoutedExperts):
         return y.to(x_BLD.dtype).view(B, -1, D)
 
     def _experts(self, x, scores, ids, w1, w3, w2):
+        if torch.compiler.is_compiling():
+            return self._run_compiled(x, scores, ids, w1, w3, w2)
         if self.ep_group is None:
             return self._run_local(x, scores, ids, w1, w3, w2)
         ranks = dist.get_world_size(self.ep_group)
@@ -171,6 +174,17 @@ class MoEBlazeRoutedExperts(RoutedExperts):
         if mode == "alltoall":
             return self._run_alltoall(x, scores, ids, w1, w3, w2)
         return self._run_ring(x, scores, ids, w1, w3, w2, mode)
+
+    def _run_compiled(self, x, scores, ids, w1, w3, w2):
+        """Under torch.compile (torchtitan's ``--compile.enable``, each block with fullgraph=True):
+        the op as one custom op each way (``compiled_op``), which the graph keeps whole."""
+        if self.ep_group is not None:
+            raise NotImplementedError(
+                "MoEBlazeRoutedExperts: torch.compile of the model with expert parallelism > 1 is not supported "
+                "(the token exchange's sizes depend on the routing); leave --compile.enable off, or compile "
+                "without 'model' in --compile.components, at expert_parallel_degree > 1")
+        return expert_mlp(x, ids, scores, w1, w3, w2, _ACTIVATION, recompute=self.options.recompute,
+                          routing_method=self.options.routing_method, backend=self.options.backend)
 
     def _run_local(self, x, scores, ids, w1, w3, w2, slots=None):
         """This rank's experts over rows x with local expert ids (-1 unused); ``slots``: how many

@@ -34,7 +34,7 @@ import sys
 
 from benchlib.titan_compare import run
 
-from moeblaze_megatron.training.titan_choices import ACTIVATION_CHECKPOINTS, ATTENTIONS, LOSSES
+from moeblaze_megatron.training.titan_choices import ACTIVATION_CHECKPOINTS, ATTENTIONS, COMPILES, LOSSES
 
 
 def parse_args(argv=None):
@@ -47,6 +47,9 @@ def parse_args(argv=None):
                    "(block-causal by document, compiled)")
     p.add_argument("--activation-checkpoint", choices=ACTIVATION_CHECKPOINTS, default="none",
                    help="torchtitan's activation checkpointing, the same in every run")
+    p.add_argument("--compile", choices=COMPILES, default="off",
+                   help="torch.compile of every run's transformer blocks and loss, as torchtitan's --compile.enable "
+                   "with that --compile.backend (default off, torchtitan's default)")
     p.add_argument("--cuda-graphs", choices=("on", "off"),
                    help="torchtitan's CUDA-graph step (its default on CUDA); default on for GPU, off on CPU")
     p.add_argument("--backend", choices=("auto", "triton", "reference"),
@@ -56,8 +59,9 @@ def parse_args(argv=None):
                    help="every run's loss: torchtitan's chunked loss (its Qwen3 configs') or the plain cross "
                    "entropy over whole logits; auto: chunked on torch >= 2.12, plain before (torch 2.11's FSDP2 "
                    "cannot train the chunked loss: training.titan_loop.default_loss)")
-    p.add_argument("--count-saved", choices=("on", "off"), default="on",
-                   help="count the bytes saved for backward in the first step (saved-tensor hooks around its forward)")
+    p.add_argument("--count-saved", choices=("on", "off"),
+                   help="count the bytes saved for backward in the first step (saved-tensor hooks and module hooks "
+                   "around its forward, which torch.compile cannot trace); default on, off with --compile")
     p.add_argument("--steps", type=int)
     p.add_argument("--warmup", type=int, help="first steps left out of the step-time median")
     p.add_argument("--seq-len", type=int)
@@ -78,6 +82,11 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.seq_len is not None and args.seq_len % 8:
         p.error(f"--seq-len must be a multiple of 8 (torchtitan's chunked loss splits it in 8), got {args.seq_len}")
+    if args.count_saved is None:
+        args.count_saved = "on" if args.compile == "off" else "off"
+    elif args.count_saved == "on" and args.compile != "off":
+        p.error("--count-saved on counts through module hooks that torch.compile cannot trace (fullgraph); "
+                "count with --compile off")
     if args.steps is not None and args.steps < 4:
         p.error(f"--steps must be at least 4 (warmup plus timed steps), got {args.steps}")
     return args

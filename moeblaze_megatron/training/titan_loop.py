@@ -39,10 +39,10 @@ from torchtitan.models.common.attention import FlexAttention
 
 from .attached_graphs import drop_attached_graphs
 from .corpus import BYTE_VOCAB_SIZE, PackedSamples, stdlib_source_files
-from .titan_choices import ACTIVATION_CHECKPOINTS, LOSSES
+from .titan_choices import ACTIVATION_CHECKPOINTS, COMPILES, LOSSES
 from .titan_models import parallelize_qwen3, prepare_model_config, titan_model_config
 
-__all__ = ["ACTIVATION_CHECKPOINTS", "LOSSES", "OVERRIDE_TARGET", "PHASES", "StepResult", "TitanRun",
+__all__ = ["ACTIVATION_CHECKPOINTS", "COMPILES", "LOSSES", "OVERRIDE_TARGET", "PHASES", "StepResult", "TitanRun",
            "TitanTrainer", "default_loss", "single_process"]
 
 OVERRIDE_TARGET = "moeblaze_megatron.torchtitan.moeblaze_experts"
@@ -74,6 +74,7 @@ class TitanRun:
     cuda_graphs: bool = False
     max_norm: float = 1.0
     loss: str = "chunked"
+    compile: str = "off"
 
     def __post_init__(self):
         if self.activation_checkpoint not in ACTIVATION_CHECKPOINTS:
@@ -81,6 +82,15 @@ class TitanRun:
                              f"got {self.activation_checkpoint!r}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.compile not in COMPILES:
+            raise ValueError(f"compile must be one of {COMPILES}, got {self.compile!r}")
+
+    @property
+    def compile_config(self) -> CompileConfig:
+        """torchtitan's CompileConfig of the run: each block and the loss, or nothing."""
+        if self.compile == "off":
+            return CompileConfig()
+        return CompileConfig(enable=True, components=["model", "loss"], backend=self.compile)
 
     @property
     def label(self) -> str:
@@ -182,7 +192,7 @@ class TitanTrainer:
                                   max_norm=run.max_norm, disable_cuda_graphs=not run.cuda_graphs)
         with tempfile.TemporaryDirectory() as dump_folder:
             model = parallelize_qwen3(model, parallel_dims=self.parallel_dims, training=training,
-                                      parallelism=ParallelismConfig(), compile_config=CompileConfig(), ac_config=ac,
+                                      parallelism=ParallelismConfig(), compile_config=run.compile_config, ac_config=ac,
                                       dump_folder=dump_folder)
         model.to_empty(device=device)
         torch.manual_seed(run.seed)
@@ -205,11 +215,11 @@ class TitanTrainer:
         cross_entropy = CrossEntropyLoss.Config(global_vocab_size=BYTE_VOCAB_SIZE)
         if run.loss == "chunked":
             # As torchtitan's Trainer sets a ChunkedLossWrapper up.
-            self.loss_fn = ChunkedLossWrapper.Config(loss_fn=cross_entropy).build(compile_config=CompileConfig())
+            self.loss_fn = ChunkedLossWrapper.Config(loss_fn=cross_entropy).build(compile_config=run.compile_config)
             self.loss_fn.set_lm_head(model.lm_head)
             model._skip_lm_head = True
         else:
-            self.loss_fn = cross_entropy.build(compile_config=CompileConfig())
+            self.loss_fn = cross_entropy.build(compile_config=run.compile_config)
         self.context = dist_utils.get_spmd_context(parallel_dims=self.parallel_dims)
         self.flex = isinstance(model_config.first_attention.inner_attention, FlexAttention.Config)
         self.fwd_bwd = self._forward_backward

@@ -273,7 +273,8 @@ def comparison_ratios(base: dict, cand: dict, search: dict | None, byte_keys=("s
     ``largest_fitting_ratio`` candidate / baseline largest fitting size of the memory search."""
     ratios = {"step_time_speedup": base["median_step_seconds"] / cand["median_step_seconds"]}
     for key in byte_keys:
-        ratios[key.removesuffix("_bytes") + "_fraction"] = cand[key] / max(1, base[key])
+        if base.get(key) is not None and cand.get(key) is not None:  # None: not counted
+            ratios[key.removesuffix("_bytes") + "_fraction"] = cand[key] / max(1, base[key])
     if base.get("peak_memory_bytes"):
         ratios["peak_memory_fraction"] = cand["peak_memory_bytes"] / base["peak_memory_bytes"]
     if search and search["baseline"]["largest_fitting"] and search["candidate"]["largest_fitting"]:

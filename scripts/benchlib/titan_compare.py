@@ -140,6 +140,8 @@ def train(trainer, label, steps, progress, measure_saved=True, allocated_before=
 
     record = {"dispatcher": trainer.run.label, "losses": [], "step_seconds": [], "tokens_per_step": None,
               "phase_seconds": {}}
+    if not measure_saved:
+        record["saved_activation_bytes"] = record["saved_moe_bytes"] = None
     for i in range(steps):
         if i == 0 and measure_saved:
             saved = SavedForBackward(trainer.model, trainer.routed_experts())
@@ -264,7 +266,7 @@ def _runs(args, device, cuda_graphs: bool):
     common = dict(family=args.family, attention=args.attention, local_batch_size=args.local_batch_size,
                   seq_len=args.seq_len, steps=args.steps, lr=args.lr, warmup_steps=max(1, args.steps // 10),
                   seed=args.seed, activation_checkpoint=args.activation_checkpoint, cuda_graphs=cuda_graphs,
-                  loss=args.loss)
+                  loss=args.loss, compile=args.compile)
     options = {"backend": args.backend, "recompute": args.recompute}
     # The control before the candidate: the candidate's search, last, gets what the time budget
     # leaves.
@@ -343,7 +345,7 @@ def table(result: dict) -> str:
              f"{result['config']['local_batch_size']} x {result['config']['seq_len']} tokens, "
              f"cuda graphs {'on' if result['config']['cuda_graphs_used'] else 'off'}, "
              f"attention {result['config']['attention']}, AC {result['config']['activation_checkpoint']}, "
-             f"{result['config']['loss']} loss",
+             f"{result['config']['loss']} loss, compile {result['config']['compile']}",
              "| run | median step ms | tokens/s | peak MiB | MoE saved MiB | model saved MiB | largest micro-batch |",
              "|---|---|---|---|---|---|---|"]
     for name in ("baseline", "candidate"):
@@ -352,8 +354,9 @@ def table(result: dict) -> str:
         lines.append(f"| {r['dispatcher']} | {r['median_step_seconds'] * 1e3:.1f} | {r['tokens_per_second']:,.0f} | "
                      f"{_mib(r.get('peak_memory_bytes'))} | {_mib(r['saved_moe_bytes'])} | "
                      f"{_mib(r['saved_activation_bytes'])} | {largest} |")
-    lines.append(f"step time {ratios['step_time_speedup']:.2f}x stock (goal >= 1.3); MoE saved for backward "
-                 f"{ratios['saved_moe_fraction']:.2f}x (goal <= 0.5)"
+    lines.append(f"step time {ratios['step_time_speedup']:.2f}x stock (goal >= 1.3)"
+                 + (f"; MoE saved for backward {ratios['saved_moe_fraction']:.2f}x (goal <= 0.5)"
+                    if "saved_moe_fraction" in ratios else "")
                  + (f"; peak {ratios['peak_memory_fraction']:.2f}x" if "peak_memory_fraction" in ratios else "")
                  + (f"; largest micro-batch {ratios['largest_fitting_ratio']:.2f}x (goal >= 1.5)"
                     if "largest_fitting_ratio" in ratios else ""))

@@ -44,6 +44,7 @@ def test_cpu_comparison(tmp_path, capsys):
         assert runs[name]["moe_layers"] == 2 and 0 < layer * 2 < runs[name]["median_step_seconds"] * 4
     table = capsys.readouterr().out.strip().splitlines()
     assert table[-1].startswith("losses agree") and any(line.startswith("| moeblaze |") for line in table)
+    assert any(line.startswith("torchtitan ") and line.endswith("loss, compile off") for line in table)
     assert any(line.startswith("median ms per phase of a step: stock forward+backward ") for line in table)
     assert any(line.startswith("routed experts alone, fwd+bwd per layer (balanced routing): stock ") for line in table)
 
@@ -63,7 +64,8 @@ def test_stand_in_for_a_missing_data_parallel_mesh_dims(monkeypatch):
 
 def test_command_line_errors(capsys):
     for argv, message in ((["--seq-len", "60"], "multiple of 8"), (["--steps", "2"], "at least 4"),
-                          (["--local-batch-size", "0"], "must be positive")):
+                          (["--local-batch-size", "0"], "must be positive"),
+                          (["--compile", "inductor", "--count-saved", "on"], "torch.compile cannot trace")):
         with pytest.raises(SystemExit):
             compare_torchtitan.parse_args(argv)
         assert message in capsys.readouterr().err
@@ -72,6 +74,9 @@ def test_command_line_errors(capsys):
         titan_compare.resolve(args)
     args = compare_torchtitan.parse_args(["--device", "cpu"])
     assert titan_compare.resolve(args).type == "cpu" and (args.family, args.backend) == ("tiny", "reference")
+    assert (args.compile, args.count_saved) == ("off", "on")
+    # The saved-bytes count stays off under compile unless asked for.
+    assert compare_torchtitan.parse_args(["--compile", "aot_eager"]).count_saved == "off"
 
 
 def test_micro_batch_search_with_a_simulated_allocator(monkeypatch):

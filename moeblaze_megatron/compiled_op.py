@@ -1,0 +1,169 @@
+"""The MoE expert MLP as two ``torch.library`` custom ops, for models under ``torch.compile``.
+
+torch.compile cannot trace the op's autograd Functions (``TritonMoEMLP``, ``ReferenceMoEMLP``):
+the routing plan's per-expert row ranges are data-dependent and the kernels launch through our own
+launcher. torchtitan compiles each transformer block with ``fullgraph=True``, where any graph
+break is an error. Here the forward and the backward are one opaque op each. Their outputs have
+shapes fixed by the inputs' (the plan's index maps, the pre-activations, the probabilities in
+expert order), so the compiled graph holds them like any other op. The ops call the same passes as
+the autograd Functions (``fused_forward`` / ``fused_backward``, ``reference_forward`` /
+``reference_backward``), so a compiled model computes what the eager one does. Eager calls keep
+the autograd Functions: they skip the dispatcher and save nothing for a weight cast.
+
+``expert_mlp(x, topk_ids, topk_probs, w1, w3, w2, ...)``: fc1 is ``w1`` alone ([E, 2F, D] for
+SwiGLU, [E, F, D] otherwise) or, for SwiGLU, the (gate, up) pair ``w1``, ``w3`` [E, F, D]
+(torchtitan's ``GroupedExperts``); fc2 is ``w2`` [E, D, F]. The weights are cast to x's dtype
+inside the op, in forward and again in backward, so only the parameters are kept between them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .moe_mlp import check_moe_mlp_args, resolved_backend
+from .reference import reference_backward, reference_forward
+from .routing import RoutingPlan, build_routing_plan
+
+__all__ = ["expert_mlp"]
+
+_FORWARD = "moeblaze::expert_mlp_forward"
+_BACKWARD = "moeblaze::expert_mlp_backward"
+
+
+def expert_mlp(x, topk_ids, topk_probs, w1, w3, w2, activation="swiglu", *, recompute="activation",
+               routing_method="auto", backend="auto"):
+    """``y[t] = sum_k topk_probs[t, k] * fc2[e] @ act(fc1[e] @ x[t])``, ``e = topk_ids[t, k]`` (-1:
+    an unused slot; the ids' values are not checked, as moe_mlp's with validate=False), as one op
+    that torch.compile keeps whole. Differentiable in x, topk_probs, w1, w3 and w2; the weights'
+    gradients come back in their own dtype."""
+    if w3 is not None and (activation != "swiglu" or w3.shape != w1.shape):
+        raise ValueError(f"w3 (the up half of a (gate, up) pair) is for activation='swiglu' with w3 shaped as w1 "
+                         f"{tuple(w1.shape)}; got activation={activation!r}, w3 {tuple(w3.shape)}")
+    stand_in = x.new_empty(())
+    check_moe_mlp_args(x, topk_ids, topk_probs, stand_in.expand(w1.shape[0], _fc1_width(w1, w3), w1.shape[2]),
+                       stand_in.expand(w2.shape), activation, None, recompute, backend, validate=False)
+    y, *_ = torch.ops.moeblaze.expert_mlp_forward(x, topk_ids, topk_probs, w1, w3, w2, activation, recompute,
+                                                   routing_method, backend)
+    return y
+
+
+def _fc1(w1, w3, dtype, backend):
+    """fc1 in ``dtype`` as the backend takes it: the (gate, up) pair for the kernels, stacked for
+    the reference."""
+    if w3 is None:
+        return w1.to(dtype)
+    if backend == "triton":
+        return w1.to(dtype), w3.to(dtype)
+    return torch.cat([w1, w3], dim=1).to(dtype)
+
+
+def _fc1_width(w1, w3):
+    return w1.shape[1] * (2 if w3 is not None else 1)
+
+
+def _empty(x):
+    return x.new_empty(0)
+
+
+@torch.library.custom_op(_FORWARD, mutates_args=())
+def _forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor, w1: torch.Tensor,
+             w3: torch.Tensor | None, w2: torch.Tensor, activation: str, recompute: str, routing_method: str,
+             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                    torch.Tensor, torch.Tensor]:
+    """(y, probs in expert order, pre-activations or an empty tensor, the plan's four maps)."""
+    backend = resolved_backend(x, backend)
+    plan = build_routing_plan(topk_ids, w1.shape[0], method=routing_method, validate=False)
+    fc1, fc2 = _fc1(w1, w3, x.dtype, backend), w2.to(x.dtype)
+    save_pre = recompute == "activation"
+    x, topk_probs = x.contiguous(), topk_probs.contiguous()
+    if x.shape[0] == 0:
+        # Nothing routed here (the kernels take no empty grid).
+        pre = x.new_empty(0, _fc1_width(w1, w3)) if save_pre else None
+        return (x.new_zeros(x.shape), topk_probs.new_empty(0), pre if pre is not None else _empty(x), *plan.tensors())
+    if backend == "triton":
+        from .fused import fused_forward, prefetch_layer_kernels  # imports Triton: only when the kernels run
+
+        prefetch_layer_kernels(x, topk_probs, fc1, fc2, plan, activation, recompute, (True,) * 4)
+        y, probs_sorted, pre = fused_forward(x, topk_probs, fc1, fc2, plan, activation, save_pre=save_pre)
+    else:
+        y, pre = reference_forward(x, topk_probs, fc1, fc2, plan, activation, save_pre=save_pre)
+        probs_sorted = plan.permute_probs(topk_probs)
+    return (y, probs_sorted, pre if pre is not None else _empty(x), *plan.tensors())
+
+
+@_forward.register_fake
+def _forward_fake(x, topk_ids, topk_probs, w1, w3, w2, activation, recompute, routing_method, backend):
+    slots = topk_ids.numel()
+    index = dict(dtype=torch.int32, device=topk_ids.device)
+    pre = x.new_empty(slots, _fc1_width(w1, w3)) if recompute == "activation" else _empty(x)
+    return (x.new_empty(x.shape), topk_probs.new_empty(slots), pre, torch.empty(slots, **index),
+            torch.empty(w1.shape[0] + 1, **index), torch.empty(topk_ids.shape, **index),
+            torch.empty(topk_ids.shape, **index))
+
+
+@torch.library.custom_op(_BACKWARD, mutates_args=("pre",))
+def _backward(grad_y: torch.Tensor, x: torch.Tensor, topk_probs: torch.Tensor, probs_sorted: torch.Tensor,
+              w1: torch.Tensor, w3: torch.Tensor | None, w2: torch.Tensor, pre: torch.Tensor,
+              plan_tensors: list[torch.Tensor], activation: str, backend: str,
+              needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad x, grad probs, grad w1, grad w3, grad w2), an empty tensor for each one ``needs``
+    (x, probs, w1, w3, w2) does not ask for. The kernels turn ``pre`` (when saved) into its
+    gradient in place: it is declared mutated."""
+    backend = resolved_backend(x, backend)
+    plan = RoutingPlan(*plan_tensors)
+    fc1, fc2 = _fc1(w1, w3, x.dtype, backend), w2.to(x.dtype)
+    pre = pre if pre.dim() == 2 else None
+    need_x, need_probs, need_w1, need_w3, need_w2 = needs
+    wants = (need_x, need_probs, need_w1 or need_w3, need_w2)
+    if x.shape[0] == 0:
+        grad_x, grad_probs, grad_fc2 = torch.zeros_like(x), torch.zeros_like(topk_probs), torch.zeros_like(fc2)
+        grad_fc1 = tuple(map(torch.zeros_like, fc1)) if isinstance(fc1, tuple) else torch.zeros_like(fc1)
+    elif backend == "triton":
+        from .fused import fused_backward
+
+        grad_x, grad_probs, grad_fc1, grad_fc2 = fused_backward(grad_y, x.contiguous(), probs_sorted, fc1, fc2, plan,
+                                                                activation, pre, wants)
+    else:
+        grad_x, grad_probs, grad_fc1, grad_fc2 = reference_backward(grad_y, x, topk_probs.contiguous(), fc1, fc2, plan,
+                                                                    activation, pre)
+    if w3 is None:
+        grad_w1, grad_w3 = grad_fc1, None
+    elif isinstance(grad_fc1, tuple):
+        grad_w1, grad_w3 = grad_fc1
+    else:
+        grad_w1, grad_w3 = grad_fc1.split(w1.shape[1], dim=1) if grad_fc1 is not None else (None, None)
+    out = []
+    for grad, like, need in ((grad_x, x, need_x), (grad_probs, topk_probs, need_probs), (grad_w1, w1, need_w1),
+                             (grad_w3, w3, need_w3), (grad_fc2, w2, need_w2)):
+        out.append(grad.to(like.dtype).contiguous() if need else _empty(x))
+    return tuple(out)
+
+
+@_backward.register_fake
+def _backward_fake(grad_y, x, topk_probs, probs_sorted, w1, w3, w2, pre, plan_tensors, activation, backend, needs):
+    likes = (x, topk_probs, w1, w3, w2)
+    return tuple(like.new_empty(like.shape) if need else _empty(x) for like, need in zip(likes, needs))
+
+
+def _setup_context(ctx, inputs, output):
+    x, _, topk_probs, w1, w3, w2, activation, _, _, backend = inputs
+    _, probs_sorted, pre, *plan_tensors = output
+    ctx.save_for_backward(x, topk_probs, probs_sorted, w1, w3, w2, pre, *plan_tensors)
+    ctx.options = (activation, backend)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _backward_of_forward(ctx, grad_y, *_):
+    x, topk_probs, probs_sorted, w1, w3, w2, pre, *plan_tensors = ctx.saved_tensors
+    activation, backend = ctx.options
+    need = ctx.needs_input_grad
+    needs = [need[0], need[2], need[3], w3 is not None and need[4], need[5]]
+    if grad_y is None:
+        grad_y = torch.zeros_like(x)
+    grads = torch.ops.moeblaze.expert_mlp_backward(grad_y, x, topk_probs, probs_sorted, w1, w3, w2, pre,
+                                                   plan_tensors, activation, backend, needs)
+    grad_x, grad_probs, grad_w1, grad_w3, grad_w2 = (g if n else None for g, n in zip(grads, needs))
+    return grad_x, None, grad_probs, grad_w1, grad_w3, grad_w2, None, None, None, None
+
+
+_forward.register_autograd(_backward_of_forward, setup_context=_setup_context)

@@ -1,0 +1,137 @@
+"""compiled_op.expert_mlp, the op as torch.library custom ops for torch.compile: eager calls are
+bitwise moe_mlp's, in both fc1 forms ([gate | up] stacked, or the (gate, up) pair) and both
+recompute modes; under torch.compile(fullgraph=True) the same bits again; against the float64
+oracle on awkward routing (experts with no tokens, unused slots, top-k = E, no tokens); the ops'
+registrations (schema, autograd, fake tensors) pass torch.library.opcheck; bad arguments are named.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_testing import (
+    GRAD_INPUTS,
+    REL_TOL,
+    TRITON_INTERPRETED,
+    dense_reference_and_grads,
+    make_moe_problem,
+    rel_error,
+)
+from moeblaze_megatron import moe_mlp
+from moeblaze_megatron.compiled_op import expert_mlp
+
+BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
+    not (TRITON_INTERPRETED or torch.cuda.is_available()), reason="needs the Triton kernels"))]
+
+
+def _problem(routing="random", T=37, E=8, K=2, dtype=torch.float32, activation="swiglu", seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return make_moe_problem(T, 24, 16, E, K, activation, dtype, generator, routing=routing)
+
+
+def _pair(problem):
+    """torchtitan's form of the same weights: w1 (gate) and w3 (up) [E, F, D] as leaves."""
+    gate, up = problem["fc1_weight"].detach().chunk(2, dim=1)
+    return gate.contiguous().requires_grad_(), up.contiguous().requires_grad_()
+
+
+def _run(fn, leaves, grad_y):
+    for t in leaves:
+        t.grad = None
+    y = fn()
+    y.backward(grad_y)
+    return [y.detach()] + [t.grad.clone() for t in leaves]
+
+
+def _eager_and_op(problem, activation, recompute, backend, compile_backend=None):
+    """(moe_mlp's y and gradients, expert_mlp's over the (gate, up) pair or the stacked fc1), the
+    fc1 gradient of the pair stacked back."""
+    p = problem
+    grad_y = torch.randn(p["x"].shape, generator=torch.Generator().manual_seed(1)).to(p["x"])
+    leaves = [p["x"], p["topk_probs"], p["fc1_weight"], p["fc2_weight"]]
+    want = _run(lambda: moe_mlp(p["x"], p["topk_ids"], p["topk_probs"], p["fc1_weight"], p["fc2_weight"], activation,
+                                recompute=recompute, backend=backend), leaves, grad_y)
+    paired = activation == "swiglu"
+    w1, w3 = _pair(p) if paired else (p["fc1_weight"], None)
+
+    def op(x, ids, probs, w1, w3, w2):
+        return expert_mlp(x, ids, probs, w1, w3, w2, activation, recompute=recompute, backend=backend)
+
+    if compile_backend is not None:
+        torch._dynamo.reset()
+        op = torch.compile(op, backend=compile_backend, fullgraph=True)
+    op_leaves = [p["x"], p["topk_probs"], w1, p["fc2_weight"]] + ([w3] if paired else [])
+    got = _run(lambda: op(p["x"], p["topk_ids"], p["topk_probs"], w1, w3, p["fc2_weight"]), op_leaves, grad_y)
+    if paired:
+        got = got[:3] + [torch.cat([got[3], got[5]], dim=1), got[4]]
+    return want, got, grad_y
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("recompute", ["activation", "fc1"])
+@pytest.mark.parametrize("activation", ["swiglu", "silu"])
+def test_eager_calls_are_moe_mlps_bits(activation, recompute, backend):
+    want, got, _ = _eager_and_op(_problem(activation=activation), activation, recompute, backend)
+    for name, a, b in zip(("y", *GRAD_INPUTS), got, want):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("recompute", ["activation", "fc1"])
+def test_compiled_fullgraph_gives_the_same_bits(recompute, backend):
+    want, got, _ = _eager_and_op(_problem(), "swiglu", recompute, backend, compile_backend="aot_eager")
+    for name, a, b in zip(("y", *GRAD_INPUTS), got, want):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("routing,T,E,K", [("empty_experts", 50, 16, 2), ("unused", 40, 6, 3),
+                                           ("random", 20, 4, 4), ("one_expert", 30, 8, 1), ("random", 0, 8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_op_matches_the_float64_oracle(routing, T, E, K, dtype):
+    problem = _problem(routing, T, E, K, dtype, seed=T + E)
+    _, got, grad_y = _eager_and_op(problem, "swiglu", "activation", "reference", compile_backend="aot_eager")
+    if T == 0:
+        assert got[0].shape == (0, 24) and all(g.abs().sum() == 0 for g in got[1:])
+        return
+    want_y, want_grads, scales = dense_reference_and_grads(problem, "swiglu", grad_y)
+    assert rel_error(got[0], want_y) <= REL_TOL[dtype]
+    for name, grad in zip(GRAD_INPUTS, got[1:]):
+        assert rel_error(grad, want_grads[name], scales[name]) <= REL_TOL[dtype], name
+
+
+def test_registrations_pass_opcheck():
+    p = _problem()
+    w1, w3 = _pair(p)
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor")
+    args = (p["x"], p["topk_ids"], p["topk_probs"], w1, w3, p["fc2_weight"], "swiglu", "activation", "auto",
+            "reference")
+    torch.library.opcheck(torch.ops.moeblaze.expert_mlp_forward.default, args, test_utils=tests)
+    outputs = torch.ops.moeblaze.expert_mlp_forward(*args)
+    backward_args = (torch.randn_like(p["x"]), p["x"].detach(), p["topk_probs"].detach(), outputs[1], w1.detach(),
+                     w3.detach(), p["fc2_weight"].detach(), outputs[2].clone(), list(outputs[3:]), "swiglu",
+                     "reference", [True] * 5)
+    # Not test_autograd_registration: the backward is not differentiated again.
+    torch.library.opcheck(torch.ops.moeblaze.expert_mlp_backward.default, backward_args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_bad_arguments_are_named():
+    p = _problem()
+    w1, w3 = _pair(p)
+    with pytest.raises(ValueError, match=r"w3 \(the up half.*activation='silu'"):
+        expert_mlp(p["x"], p["topk_ids"], p["topk_probs"], w1, w3, p["fc2_weight"], "silu")
+    with pytest.raises(ValueError, match="w3 .*shaped as w1"):
+        expert_mlp(p["x"], p["topk_ids"], p["topk_probs"], w1, w3[:, :-1], p["fc2_weight"])
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        expert_mlp(p["x"], p["topk_ids"], p["topk_probs"], w1, w3, p["fc2_weight"], recompute="none")
+    with pytest.raises(ValueError, match="topk_probs has shape"):
+        expert_mlp(p["x"], p["topk_ids"], p["topk_probs"][:, :1], w1, w3, p["fc2_weight"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inductor_keeps_the_op_whole(backend):
+    """Inductor (what torchtitan's --compile.enable uses) around the op: the same bits as eager."""
+    want, got, _ = _eager_and_op(_problem(), "swiglu", "activation", backend, compile_backend="inductor")
+    for name, a, b in zip(("y", *GRAD_INPUTS), got, want):
+        assert torch.equal(a, b), name
