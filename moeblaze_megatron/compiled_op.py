@@ -61,6 +61,12 @@ def _fc1_width(w1, w3):
     return w1.shape[1] * (2 if w3 is not None else 1)
 
 
+def _maps(plan):
+    """The plan's index maps with the fake implementation's (contiguous) strides: the PyTorch
+    build keeps the strides of column-major ids, which a compiled graph may pass."""
+    return tuple(t.contiguous() for t in plan.tensors())
+
+
 def _empty(x):
     return x.new_empty(0)
 
@@ -79,7 +85,7 @@ def _forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor, 
     if x.shape[0] == 0:
         # Nothing routed here (the kernels take no empty grid).
         pre = x.new_empty(0, _fc1_width(w1, w3)) if save_pre else None
-        return (x.new_zeros(x.shape), topk_probs.new_empty(0), pre if pre is not None else _empty(x), *plan.tensors())
+        return (x.new_zeros(x.shape), topk_probs.new_empty(0), pre if pre is not None else _empty(x), *_maps(plan))
     if backend == "triton":
         from .fused import fused_forward, prefetch_layer_kernels  # imports Triton: only when the kernels run
 
@@ -88,7 +94,7 @@ def _forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor, 
     else:
         y, pre = reference_forward(x, topk_probs, fc1, fc2, plan, activation, save_pre=save_pre)
         probs_sorted = plan.permute_probs(topk_probs)
-    return (y, probs_sorted, pre if pre is not None else _empty(x), *plan.tensors())
+    return (y, probs_sorted, pre if pre is not None else _empty(x), *_maps(plan))
 
 
 @_forward.register_fake

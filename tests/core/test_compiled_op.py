@@ -104,7 +104,11 @@ def test_registrations_pass_opcheck():
     p = _problem()
     w1, w3 = _pair(p)
     tests = ("test_schema", "test_autograd_registration", "test_faketensor")
-    args = (p["x"], p["topk_ids"], p["topk_probs"], w1, w3, p["fc2_weight"], "swiglu", "activation", "auto",
+    # Ids and probabilities as column-major views (what a compiled graph may hand over): the
+    # outputs still have the fake implementation's contiguous strides.
+    ids = p["topk_ids"].t().contiguous().t()
+    probs = p["topk_probs"].detach().t().contiguous().t().requires_grad_()
+    args = (p["x"], ids, probs, w1, w3, p["fc2_weight"], "swiglu", "activation", "auto",
             "reference")
     torch.library.opcheck(torch.ops.moeblaze.expert_mlp_forward.default, args, test_utils=tests)
     outputs = torch.ops.moeblaze.expert_mlp_forward(*args)
