@@ -200,7 +200,9 @@ def routed_experts_seconds(trainer, repeats: int = 10, warmup: int = 3) -> float
     the input, the scores and the weights), at the run's tokens per step on balanced random
     routing: the experts' share of a step, measured the same way for stock and the override.
     The layer's FSDP unit is unsharded around it as in the step (bf16 weights); gradients are
-    returned, not accumulated. CUDA events on a GPU, the host clock on the CPU."""
+    returned, not accumulated. Under ``--compile`` the layer is compiled as the step's blocks are
+    (fullgraph, the run's backend), so stock's permutation and combine are fused as in its step.
+    CUDA events on a GPU, the host clock on the CPU."""
     import torch
 
     from moeblaze_megatron.training.titan_models import TITAN_FAMILIES
@@ -208,6 +210,8 @@ def routed_experts_seconds(trainer, repeats: int = 10, warmup: int = 3) -> float
     device = trainer.device
     block = next(iter(trainer.model.layers.values()))
     routed = block.moe.routed_experts
+    if trainer.run.compile != "off":
+        routed = torch.compile(routed, backend=trainer.run.compile, fullgraph=True)
     block.unshard()
     try:
         params = [p for p in routed.parameters() if p.requires_grad]
