@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .moe_mlp import check_moe_mlp_args, resolved_backend
+from .moe_mlp import check_split_moe_mlp_args, resolved_backend, split_fc1
 from .reference import reference_backward, reference_forward
 from .routing import RoutingPlan, build_routing_plan
 
@@ -36,25 +36,10 @@ def expert_mlp(x, topk_ids, topk_probs, w1, w3, w2, activation="swiglu", *, reco
     an unused slot; the ids' values are not checked, as moe_mlp's with validate=False), as one op
     that torch.compile keeps whole. Differentiable in x, topk_probs, w1, w3 and w2; the weights'
     gradients come back in their own dtype."""
-    if w3 is not None and (activation != "swiglu" or w3.shape != w1.shape):
-        raise ValueError(f"w3 (the up half of a (gate, up) pair) is for activation='swiglu' with w3 shaped as w1 "
-                         f"{tuple(w1.shape)}; got activation={activation!r}, w3 {tuple(w3.shape)}")
-    stand_in = x.new_empty(())
-    check_moe_mlp_args(x, topk_ids, topk_probs, stand_in.expand(w1.shape[0], _fc1_width(w1, w3), w1.shape[2]),
-                       stand_in.expand(w2.shape), activation, None, recompute, backend, validate=False)
+    check_split_moe_mlp_args(x, topk_ids, topk_probs, w1, w3, w2, activation, None, recompute, backend)
     y, *_ = torch.ops.moeblaze.expert_mlp_forward(x, topk_ids, topk_probs, w1, w3, w2, activation, recompute,
                                                    routing_method, backend)
     return y
-
-
-def _fc1(w1, w3, dtype, backend):
-    """fc1 in ``dtype`` as the backend takes it: the (gate, up) pair for the kernels, stacked for
-    the reference."""
-    if w3 is None:
-        return w1.to(dtype)
-    if backend == "triton":
-        return w1.to(dtype), w3.to(dtype)
-    return torch.cat([w1, w3], dim=1).to(dtype)
 
 
 def _fc1_width(w1, w3):
@@ -79,7 +64,7 @@ def _forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor, 
     """(y, probs in expert order, pre-activations or an empty tensor, the plan's four maps)."""
     backend = resolved_backend(x, backend)
     plan = build_routing_plan(topk_ids, w1.shape[0], method=routing_method, validate=False)
-    fc1, fc2 = _fc1(w1, w3, x.dtype, backend), w2.to(x.dtype)
+    fc1, fc2 = split_fc1(w1, w3, x.dtype, backend), w2.to(x.dtype)
     save_pre = recompute == "activation"
     x, topk_probs = x.contiguous(), topk_probs.contiguous()
     if x.shape[0] == 0:
@@ -117,7 +102,7 @@ def _backward(grad_y: torch.Tensor, x: torch.Tensor, topk_probs: torch.Tensor, p
     gradient in place: it is declared mutated."""
     backend = resolved_backend(x, backend)
     plan = RoutingPlan(*plan_tensors)
-    fc1, fc2 = _fc1(w1, w3, x.dtype, backend), w2.to(x.dtype)
+    fc1, fc2 = split_fc1(w1, w3, x.dtype, backend), w2.to(x.dtype)
     pre = pre if pre.dim() == 2 else None
     need_x, need_probs, need_w1, need_w3, need_w2 = needs
     wants = (need_x, need_probs, need_w1 or need_w3, need_w2)

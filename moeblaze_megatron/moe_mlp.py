@@ -131,6 +131,31 @@ def check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activati
     return num_experts
 
 
+def check_split_moe_mlp_args(x, topk_ids, topk_probs, w1, w3, w2, activation, plan, recompute, backend,
+                             validate=False):
+    """``check_moe_mlp_args`` for fc1 given as ``w1`` alone or, for SwiGLU, as the (gate, up) pair
+    ``w1``, ``w3`` [E, F, D] (torchtitan's layout): the same checks, on zero-stride stand-ins of
+    the stacked weights, so nothing of the weights' size is made."""
+    if w3 is not None and (activation != "swiglu" or w3.shape != w1.shape):
+        raise ValueError(f"w3 (the up half of a (gate, up) pair) is for activation='swiglu' with w3 shaped as w1 "
+                         f"{tuple(w1.shape)}; got activation={activation!r}, w3 {tuple(w3.shape)}")
+    stand_in = x.new_empty(())
+    rows = w1.shape[1] * (2 if w3 is not None else 1)
+    return check_moe_mlp_args(x, topk_ids, topk_probs, stand_in.expand(w1.shape[0], rows, w1.shape[2]),
+                              stand_in.expand(w2.shape), activation, plan, recompute, backend, validate)
+
+
+def split_fc1(w1, w3, dtype, backend):
+    """fc1 in ``dtype`` as ``backend`` ("triton" or "reference") takes it: ``w1`` where there is
+    no ``w3``; else the (gate, up) pair for the kernels, which read both halves where they are,
+    and [gate | up] stacked for the reference."""
+    if w3 is None:
+        return w1.to(dtype)
+    if backend == "triton":
+        return w1.to(dtype), w3.to(dtype)
+    return torch.cat([w1, w3], dim=1).to(dtype)
+
+
 def resolved_backend(x: torch.Tensor, backend: str) -> str:
     """The backend that runs for ``backend`` on ``x``: "auto" is "triton" for CUDA tensors of a
     dtype the kernels take, "reference" otherwise."""

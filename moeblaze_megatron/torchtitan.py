@@ -49,7 +49,7 @@ from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, L
 
 from .compiled_op import expert_mlp
 from .config import MoEBlazeConfig
-from .moe_mlp import check_moe_mlp_args, moe_mlp, resolved_backend, start_compile_workers
+from .moe_mlp import check_split_moe_mlp_args, moe_mlp, resolved_backend, split_fc1, start_compile_workers
 from .parallel.alltoall import prepare_send
 from .parallel.ring import group_mean_tokens, layer_traffic, ring_moe
 from .parallel.volume import resolve_ep_mode
@@ -197,11 +197,8 @@ class MoEBlazeRoutedExperts(RoutedExperts):
             # Nothing routed here: moe_mlp keeps the graph connected (zero weight gradients).
             return moe_mlp(x, ids, scores, torch.cat([w1, w3], dim=1).to(x.dtype), w2.to(x.dtype), _ACTIVATION,
                            plan, recompute=self.options.recompute, backend=self.options.backend, validate=False)
-        # The op's own argument checks, on zero-stride stand-ins for the stacked weights.
-        stand_in = x.new_empty(())
-        check_moe_mlp_args(x, ids, scores, stand_in.expand(num_experts, 2 * w1.shape[1], w1.shape[2]),
-                           stand_in.expand(w2.shape), _ACTIVATION, plan, self.options.recompute,
-                           self.options.backend, validate=False)
+        check_split_moe_mlp_args(x, ids, scores, w1, w3, w2, _ACTIVATION, plan, self.options.recompute,
+                                 self.options.backend)
         if resolved_backend(x, self.options.backend) == "triton":
             from .fused import TritonMoEMLP as function  # imports Triton: only when the kernels run
         else:
@@ -293,9 +290,7 @@ def _inner_needs(need, num_rest):
 def _compute_weights(function, w1, w3, w2, dtype):
     """(fc1, fc2 [E, D, F]) in ``dtype`` as ``function`` takes them: fc1 as the (gate, up) pair for
     the kernels, as [gate | up] rows [E, 2F, D] for the reference."""
-    if function is ReferenceMoEMLP:
-        return torch.cat([w1, w3], dim=1).to(dtype), w2.to(dtype)
-    return (w1.to(dtype), w3.to(dtype)), w2.to(dtype)
+    return split_fc1(w1, w3, dtype, "reference" if function is ReferenceMoEMLP else "triton"), w2.to(dtype)
 
 
 def _as(grad, weight, needed):
