@@ -139,3 +139,19 @@ def test_inductor_keeps_the_op_whole(backend):
     want, got, _ = _eager_and_op(_problem(), "swiglu", "activation", backend, compile_backend="inductor")
     for name, a, b in zip(("y", *GRAD_INPUTS), got, want):
         assert torch.equal(a, b), name
+
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_second_backward_is_refused_not_wrong(backend):
+    """retain_graph: the backward op declares the saved pre-activations mutated (the kernels turn
+    them into their gradient), so autograd's version check refuses a second backward instead of
+    reading a gradient as pre-activations."""
+    p = _problem()
+    w1, w3 = _pair(p)
+    y = expert_mlp(p["x"], p["topk_ids"], p["topk_probs"], w1, w3, p["fc2_weight"], backend=backend)
+    grad_y = torch.randn_like(y)
+    leaves = (p["x"], p["topk_probs"], w1, w3, p["fc2_weight"])
+    torch.autograd.grad(y, leaves, grad_y, retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(y, leaves, grad_y)
