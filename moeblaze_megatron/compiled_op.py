@@ -7,8 +7,9 @@ break is an error. Here the forward and the backward are one opaque op each. The
 shapes fixed by the inputs' (the plan's index maps, the pre-activations, the probabilities in
 expert order), so the compiled graph holds them like any other op. The ops call the same passes as
 the autograd Functions (``fused_forward`` / ``fused_backward``, ``reference_forward`` /
-``reference_backward``), so a compiled model computes what the eager one does. Eager calls keep
-the autograd Functions: they skip the dispatcher and save nothing for a weight cast.
+``reference_backward``), so a compiled model computes what the eager one does. The torchtitan
+override calls them only while compiling; eager it keeps the autograd Functions, which skip the
+dispatcher and save nothing for a weight cast.
 
 ``expert_mlp(x, topk_ids, topk_probs, w1, w3, w2, ...)``: fc1 is ``w1`` alone ([E, 2F, D] for
 SwiGLU, [E, F, D] otherwise) or, for SwiGLU, the (gate, up) pair ``w1``, ``w3`` [E, F, D]
