@@ -51,6 +51,7 @@ from .compiled_op import expert_mlp
 from .config import MoEBlazeConfig
 from .moe_mlp import check_split_moe_mlp_args, moe_mlp, resolved_backend, split_fc1, start_compile_workers
 from .parallel.alltoall import prepare_send
+from .parallel.compiled_exchange import compiled_alltoall_moe
 from .parallel.ring import group_mean_tokens, layer_traffic, ring_moe
 from .parallel.volume import resolve_ep_mode
 from .reference import ReferenceMoEMLP
@@ -177,14 +178,18 @@ class MoEBlazeRoutedExperts(RoutedExperts):
 
     def _run_compiled(self, x, scores, ids, w1, w3, w2):
         """Under torch.compile (torchtitan's ``--compile.enable``, each block with fullgraph=True):
-        the op as one custom op each way (``compiled_op``), which the graph keeps whole."""
-        if self.ep_group is not None:
+        the op as one custom op each way (``compiled_op``), which the graph keeps whole; with
+        expert parallelism, the token exchange as custom ops too (``compiled_exchange``)."""
+        options = dict(recompute=self.options.recompute, routing_method=self.options.routing_method,
+                       backend=self.options.backend)
+        if self.ep_group is None:
+            return expert_mlp(x, ids, scores, w1, w3, w2, _ACTIVATION, **options)
+        if self.options.ep_mode != "alltoall":
             raise NotImplementedError(
-                "MoEBlazeRoutedExperts: torch.compile of the model with expert parallelism > 1 is not supported "
-                "(the token exchange's sizes depend on the routing); leave --compile.enable off, or compile "
-                "without 'model' in --compile.components, at expert_parallel_degree > 1")
-        return expert_mlp(x, ids, scores, w1, w3, w2, _ACTIVATION, recompute=self.options.recompute,
-                          routing_method=self.options.routing_method, backend=self.options.backend)
+                f"MoEBlazeRoutedExperts: ep_mode={self.options.ep_mode!r} under torch.compile is not supported "
+                "(the ring's hops and the 'auto' choice are made on the host); use ep_mode='alltoall' with "
+                "--compile.enable, or leave 'model' out of --compile.components")
+        return compiled_alltoall_moe(x, ids, scores, w1, w3, w2, self.ep_group, activation=_ACTIVATION, **options)
 
     def _run_local(self, x, scores, ids, w1, w3, w2, slots=None):
         """This rank's experts over rows x with local expert ids (-1 unused); ``slots``: how many

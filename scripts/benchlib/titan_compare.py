@@ -195,10 +195,13 @@ def search_micro_batch(trainer, budget_bytes, time_limit, progress, allocated_be
     return {"dimension": "micro-batch", "budget_bytes": budget_bytes, **found, "probes": probes}
 
 
-def routed_experts_seconds(trainer, repeats: int = 10, warmup: int = 3) -> float:
-    """Median seconds of one MoE layer's routed experts alone, forward and backward (gradients of
-    the input, the scores and the weights), at the run's tokens per step on balanced random
-    routing: the experts' share of a step, measured the same way for stock and the override.
+def routed_experts_seconds(trainer, repeats: int = 10, warmup: int = 3) -> tuple[float, float]:
+    """Seconds of one MoE layer's routed experts alone, forward and backward (gradients of the
+    input, the scores and the weights), at the run's tokens per step on balanced random routing:
+    the experts' share of a step, measured the same way for stock and the override. Two medians:
+    per call (each call timed alone and waited for, so the host's time to its first kernel is in
+    it) and queued (``repeats`` calls back to back, one wait: the GPU's time per call, as in a
+    step that runs ahead of the host or in a CUDA graph).
     The layer's FSDP unit is unsharded around it as in the step (bf16 weights); gradients are
     returned, not accumulated. Under ``--compile`` the layer is compiled as the step's blocks are
     (fullgraph, the run's backend), so stock's permutation and combine are fused as in its step.
@@ -225,26 +228,35 @@ def routed_experts_seconds(trainer, repeats: int = 10, warmup: int = 3) -> float
         scores = torch.rand(B, L, K, device=device, generator=generator).softmax(-1).requires_grad_()
         counts = torch.bincount(ids.flatten(), minlength=num_experts)
         grad_y = torch.randn_like(x)
-        times = []
-        for i in range(warmup + repeats):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            began = time.perf_counter()
+
+        def call():
             with trainer.context():
                 y = routed(x, scores, ids, counts)
             torch.autograd.grad(y, [x, scores, *params], grad_y)
-            if device.type == "cuda":
-                end.record()
-                end.synchronize()
-                seconds = start.elapsed_time(end) / 1e3
-            else:
-                seconds = time.perf_counter() - began
-            if i >= warmup:
-                times.append(seconds)
+
+        per_call = [_timed(call, device, 1) for _ in range(warmup + repeats)][warmup:]
+        queued = [_timed(call, device, repeats) for _ in range(3)]
     finally:
         block.reshard()
-    return statistics.median(times)
+    return statistics.median(per_call), statistics.median(queued)
+
+
+def _timed(fn, device, calls: int) -> float:
+    """Seconds per call of ``calls`` calls of ``fn`` back to back, waited for once."""
+    import torch
+
+    if device.type != "cuda":
+        began = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - began) / calls
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
 
 
 def environment(device, stand_in: bool) -> dict:
@@ -305,7 +317,8 @@ def compare(args, device, progress, cuda_graphs: bool, partial: Path | None = No
                                           for phase, times in record["phase_seconds"].items()}
         result["runs"][name] = record
         if name != "control":
-            record["routed_experts_seconds_per_layer"] = routed_experts_seconds(trainer)
+            (record["routed_experts_seconds_per_layer"],
+             record["routed_experts_queued_seconds_per_layer"]) = routed_experts_seconds(trainer)
             record["moe_layers"] = len(trainer.routed_experts())
         if name != "control":
             progress(f"  {run.label}: median {record['median_step_seconds'] * 1e3:.1f} ms/step, "
@@ -368,11 +381,13 @@ def table(result: dict) -> str:
         f"{phase.replace('_', '+')} {seconds * 1e3:.1f}" for phase, seconds in runs[name]["median_phase_seconds"].items())
         for name in ("baseline", "candidate")]
     lines.append("median ms per phase of a step: " + "; ".join(phases))
-    experts = [(runs[name]["dispatcher"], runs[name]["routed_experts_seconds_per_layer"], runs[name]["moe_layers"],
+    experts = [(runs[name]["dispatcher"], runs[name]["routed_experts_seconds_per_layer"],
+                runs[name]["routed_experts_queued_seconds_per_layer"], runs[name]["moe_layers"],
                 runs[name]["median_step_seconds"]) for name in ("baseline", "candidate")]
-    lines.append("routed experts alone, fwd+bwd per layer (balanced routing): " + "; ".join(
-        f"{label} {seconds * 1e3:.2f} ms (x {layers} layers = {100 * seconds * layers / step:.0f}% of its step)"
-        for label, seconds, layers, step in experts))
+    lines.append("routed experts alone, fwd+bwd per layer (balanced routing), per call / queued: " + "; ".join(
+        f"{label} {seconds * 1e3:.2f} / {queued * 1e3:.2f} ms (x {layers} layers = "
+        f"{100 * queued * layers / step:.0f}% of its step)"
+        for label, seconds, queued, layers, step in experts))
     lines.append(f"losses {'agree' if check['passed'] else 'DIVERGE'}: worst |moeblaze - stock| / tolerance = "
                  f"{check['worst_diff_over_tolerance']:.2f} over {len(check['steps'])} steps")
     return "\n".join(lines)

@@ -44,7 +44,7 @@ def _run(fn, leaves, grad_y):
     return [y.detach()] + [t.grad.clone() for t in leaves]
 
 
-def _eager_and_op(problem, activation, recompute, backend, compile_backend=None):
+def _eager_and_op(problem, activation, recompute, backend, compile_backend=None, used_slots=None):
     """(moe_mlp's y and gradients, expert_mlp's over the (gate, up) pair or the stacked fc1), the
     fc1 gradient of the pair stacked back."""
     p = problem
@@ -56,7 +56,8 @@ def _eager_and_op(problem, activation, recompute, backend, compile_backend=None)
     w1, w3 = _pair(p) if paired else (p["fc1_weight"], None)
 
     def op(x, ids, probs, w1, w3, w2):
-        return expert_mlp(x, ids, probs, w1, w3, w2, activation, recompute=recompute, backend=backend)
+        return expert_mlp(x, ids, probs, w1, w3, w2, activation, recompute=recompute, backend=backend,
+                          used_slots=used_slots)
 
     if compile_backend is not None:
         torch._dynamo.reset()
@@ -85,6 +86,26 @@ def test_compiled_fullgraph_gives_the_same_bits(recompute, backend):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager"])
+def test_used_slots_cut_the_expert_order_buffers(compile_backend, backend):
+    """Rows with unused (-1) slots, as an expert-parallel exchange receives them: given how many
+    slots are used, the expert-order buffers hold those alone (their size data-dependent under
+    compile), and every result keeps moe_mlp's bits."""
+    p = _problem("unused", T=40, E=6, K=3)
+    used = int((p["topk_ids"] >= 0).sum())
+    assert 0 < used < p["topk_ids"].numel()
+    w1, w3 = _pair(p)
+    _, probs_sorted, pre, expert_token_indices, *_ = torch.ops.moeblaze.expert_mlp_forward(
+        p["x"], p["topk_ids"], p["topk_probs"], w1, w3, p["fc2_weight"], "swiglu", "activation", "auto", backend,
+        torch.tensor(used))
+    assert probs_sorted.shape == (used,) and pre.shape == (used, 2 * w1.shape[1])
+    assert expert_token_indices.shape == (used,)
+    want, got, _ = _eager_and_op(p, "swiglu", "activation", backend, compile_backend, used_slots=torch.tensor(used))
+    for name, a, b in zip(("y", *GRAD_INPUTS), got, want):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("routing,T,E,K", [("empty_experts", 50, 16, 2), ("unused", 40, 6, 3),
                                            ("random", 20, 4, 4), ("one_expert", 30, 8, 1), ("random", 0, 8, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -109,7 +130,7 @@ def test_registrations_pass_opcheck():
     ids = p["topk_ids"].t().contiguous().t()
     probs = p["topk_probs"].detach().t().contiguous().t().requires_grad_()
     args = (p["x"], ids, probs, w1, w3, p["fc2_weight"], "swiglu", "activation", "auto",
-            "reference")
+            "reference", None)
     torch.library.opcheck(torch.ops.moeblaze.expert_mlp_forward.default, args, test_utils=tests)
     outputs = torch.ops.moeblaze.expert_mlp_forward(*args)
     backward_args = (torch.randn_like(p["x"]), p["x"].detach(), p["topk_probs"].detach(), outputs[1], w1.detach(),
@@ -123,6 +144,9 @@ def test_registrations_pass_opcheck():
 def test_bad_arguments_are_named():
     p = _problem()
     w1, w3 = _pair(p)
+    for bad in (5, torch.tensor([5]), torch.tensor(5, dtype=torch.int32)):
+        with pytest.raises(TypeError, match="used_slots must be a 0-d int64 CPU tensor"):
+            expert_mlp(p["x"], p["topk_ids"], p["topk_probs"], w1, w3, p["fc2_weight"], used_slots=bad)
     with pytest.raises(ValueError, match=r"w3 \(the up half.*activation='silu'"):
         expert_mlp(p["x"], p["topk_ids"], p["topk_probs"], w1, w3, p["fc2_weight"], "silu")
     with pytest.raises(ValueError, match="w3 .*shaped as w1"):

@@ -40,13 +40,14 @@ def test_cpu_comparison(tmp_path, capsys):
             assert min(spans) > 0 and sum(spans) <= seconds, (name, step, spans, seconds)
     # The routed experts alone, timed the same way for both: a part of the step.
     for name in ("baseline", "candidate"):
-        layer = runs[name]["routed_experts_seconds_per_layer"]
-        assert runs[name]["moe_layers"] == 2 and 0 < layer * 2 < runs[name]["median_step_seconds"] * 4
+        for key in ("routed_experts_seconds_per_layer", "routed_experts_queued_seconds_per_layer"):
+            layer = runs[name][key]
+            assert runs[name]["moe_layers"] == 2 and 0 < layer * 2 < runs[name]["median_step_seconds"] * 4, key
     table = capsys.readouterr().out.strip().splitlines()
     assert table[-1].startswith("losses agree") and any(line.startswith("| moeblaze |") for line in table)
     assert any(line.startswith("torchtitan ") and line.endswith("loss, compile off") for line in table)
     assert any(line.startswith("median ms per phase of a step: stock forward+backward ") for line in table)
-    assert any(line.startswith("routed experts alone, fwd+bwd per layer (balanced routing): stock ") for line in table)
+    assert any(line.startswith("routed experts alone, fwd+bwd per layer (balanced routing), per call / queued: stock ") for line in table)
 
 
 def test_stand_in_for_a_missing_data_parallel_mesh_dims(monkeypatch):

@@ -1,8 +1,9 @@
 """The override under torchtitan's torch.compile (``--compile.enable``: each transformer block
 compiled with fullgraph=True, then the loss): the MoE layer compiled whole meets the float64
-oracle as the eager override does and gives its bits under aot_eager; a model trained through
-torchtitan's own apply_compile (inductor) trains the same steps as eager; expert parallelism under
-compile is refused by name."""
+oracle as the eager override does and gives its bits under aot_eager, on one rank and at expert
+parallelism 2 and 4 (gloo); a model trained through torchtitan's own apply_compile (inductor)
+trains the same steps as eager; the ring and the "auto" EP mode under compile are refused by
+name."""
 
 from __future__ import annotations
 
@@ -11,35 +12,24 @@ import types
 import pytest
 import torch
 
+from moe_testing import TRITON_INTERPRETED, run_distributed
 from titan_testing import (
     REL_TOL,
     bf16_bar,
+    expert_parallel_dims,
     global_state,
     layer_inputs,
     make_moe_config,
     moe_oracle64,
+    oracle_for_rank,
     rel_error,
     run_moe,
+    titan_world,
     with_override,
 )
 
 SEED = 5
 CPU = torch.device("cpu")
-
-
-def _run_compiled(cfg, state, x, grad_y, backend):
-    """run_moe's fields (no ids) with the whole MoE layer compiled, fullgraph."""
-    torch._dynamo.reset()
-    moe = cfg.build()
-    moe.load_state_dict(state)
-    moe.compile(backend=backend, fullgraph=True)
-    x = x.clone().requires_grad_()
-    y = moe(x)
-    y.backward(grad_y)
-    out = {"y": y.detach(), "dx": x.grad}
-    for name, p in moe.named_parameters():
-        out[name] = p.grad if p.grad is not None else torch.zeros_like(p)
-    return out
 
 
 @pytest.mark.parametrize("case", ["softmax_top2", "sigmoid_groups_shared", "topk_all"])
@@ -48,7 +38,7 @@ def test_compiled_layer_gives_the_eager_bits_and_meets_the_oracle(case):
     x, grad_y = layer_inputs(0, SEED)
     cfg = with_override(make_moe_config(case), backend="reference")
     eager = run_moe(cfg, state, x, grad_y)
-    compiled = _run_compiled(cfg, state, x, grad_y, "aot_eager")
+    compiled = run_moe(cfg, state, x, grad_y, compile_backend="aot_eager")
     oracle = moe_oracle64(state, case, x, eager["ids"], grad_y)
     stock = run_moe(make_moe_config(case), state, x, grad_y)
     for name, want in oracle.items():
@@ -62,7 +52,7 @@ def test_inductor_compiled_layer_meets_the_oracle():
     x, grad_y = layer_inputs(0, SEED)
     cfg = with_override(make_moe_config(case), backend="reference", expert_dtype="input")
     eager = run_moe(cfg, state, x, grad_y)
-    compiled = _run_compiled(cfg, state, x, grad_y, "inductor")
+    compiled = run_moe(cfg, state, x, grad_y, compile_backend="inductor")
     oracle = moe_oracle64(state, case, x, eager["ids"], grad_y)
     for name, want in oracle.items():
         # Inductor fuses the router's float32 ops in its own order: the float32 bar.
@@ -98,11 +88,61 @@ def test_torchtitans_compile_trains_the_override_as_eager(activation_checkpoint)
         assert abs(a - b) <= 16 * torch.finfo(torch.bfloat16).eps * abs(b), (compiled, eager)
 
 
-def test_expert_parallel_under_compile_is_refused():
+@pytest.mark.parametrize("ep_mode", ["ring", "auto"])
+def test_ring_and_auto_modes_under_compile_are_refused(ep_mode):
     from moeblaze_megatron.torchtitan import MoEBlazeRoutedExperts
 
-    routed = with_override(make_moe_config("softmax_top2"), backend="reference").build().routed_experts
+    routed = with_override(make_moe_config("softmax_top2"), backend="reference", ep_mode=ep_mode).build().routed_experts
     assert isinstance(routed, MoEBlazeRoutedExperts)
     routed.ep_group = types.SimpleNamespace()  # as parallelize() sets it at EP > 1
-    with pytest.raises(NotImplementedError, match="torch.compile of the model with expert parallelism > 1"):
+    with pytest.raises(NotImplementedError, match=f"ep_mode='{ep_mode}' under torch.compile"):
         routed._run_compiled(*(torch.empty(0),) * 6)
+
+
+# Per EP size, (SPMD backend, case, compile backend): every rank busy (top-k = E), a shared expert
+# with grouped routing, and three of four ranks receiving nothing ("skewed"); inductor once.
+_EP_RUNS = {
+    2: [("spmd_types", "softmax_top2", "aot_eager"), ("partial_dtensor", "sigmoid_groups_shared", "aot_eager"),
+        ("spmd_types", "topk_all", "inductor")],
+    4: [("spmd_types", "skewed", "aot_eager")],
+}
+
+
+def _ep_compile_worker(rank, world_size, port):
+    failures = []
+    with titan_world(rank, world_size, port):
+        for index, (spmd_backend, case, compile_backend) in enumerate(_EP_RUNS[world_size]):
+            parallel_dims, context = expert_parallel_dims(world_size, spmd_backend)
+            state = global_state(case, seed=index)
+            x, grad_y = layer_inputs(rank, index)
+            cfg = make_moe_config(case, expert_parallel=True)
+            tag = f"{spmd_backend}/{case}/{compile_backend}"
+            variants = [("bf16", dict(backend="reference")), ("fp32", dict(backend="reference", expert_dtype="input"))]
+            if index == 0 and TRITON_INTERPRETED:
+                # The kernels on the received rows, their expert-order buffers cut to the slots.
+                variants.append(("triton_fp32", dict(backend="triton", expert_dtype="input")))
+            for dtype_label, options in variants:
+                eager = run_moe(with_override(cfg, **options), state, x, grad_y, parallel_dims, context)
+                compiled = run_moe(with_override(cfg, **options), state, x, grad_y, parallel_dims, context,
+                                   compile_backend=compile_backend)
+                oracle = oracle_for_rank(state, case, x, eager["ids"], grad_y, rank, world_size)
+                for name, want in oracle.items():
+                    if compile_backend == "aot_eager" and not torch.equal(compiled[name], eager[name]):
+                        failures.append(f"{tag}/{dtype_label}/{name}: compiled differs from eager")
+                    # Inductor fuses the router's float32 ops in its own order: the eager run's
+                    # error against the oracle, or the float32 bar, whichever is larger.
+                    bar = max(REL_TOL[torch.float32], 2 * rel_error(eager[name], want))
+                    err = rel_error(compiled[name], want)
+                    if not err <= bar:
+                        failures.append(f"{tag}/{dtype_label}/{name}: relative error {err:.3e} > {bar:.3e}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_expert_parallel_under_compile_matches_eager_and_the_oracle(world_size):
+    """The token exchange as custom ops (``parallel/compiled_exchange.py``) at EP = 2 and 4, the
+    layer compiled whole with fullgraph=True as torchtitan compiles a block: aot_eager gives the
+    eager exchange's bits; every run meets the float64 oracle."""
+    reports = run_distributed(_ep_compile_worker, world_size, timeout=500)
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(reports) for f in fs]
+    assert not failures, "\n".join(failures)

@@ -26,25 +26,12 @@ from titan_testing import (
     global_state,
     layer_inputs,
     make_moe_config,
-    moe_oracle64,
+    oracle_for_rank,
     rel_error,
     run_moe,
     titan_world,
     with_override,
 )
-
-_EXPERT_PARAMS = tuple(f"routed_experts.inner_experts.{n}" for n in ("w1_EFD", "w2_EDF", "w3_EFD"))
-
-
-def _oracle_for_rank(state, case, x, ids, grad_y, rank, world_size):
-    """The oracle on this rank's tokens; expert gradients summed over all ranks, this rank's shard."""
-    oracle = moe_oracle64(state, case, x, ids, grad_y)
-    per_rank = NUM_EXPERTS // world_size
-    for name in _EXPERT_PARAMS:
-        dist.all_reduce(oracle[name])
-        oracle[name] = oracle[name][rank * per_rank:(rank + 1) * per_rank]
-    return oracle
-
 
 def _unique_token_rank_pairs(ids, rank, world_size):
     """Rows rank ``rank`` must receive: (token, rank) pairs over every rank's tokens."""
@@ -84,7 +71,7 @@ def _ep_worker(rank, world_size, port):
                 if backend == "partial_dtensor":
                     runs["stock"] = run_moe(cfg, state, x, grad_y, parallel_dims, context)
                 ids = runs["bf16"]["ids"]
-                oracle = _oracle_for_rank(state, case, x, ids, grad_y, rank, world_size)
+                oracle = oracle_for_rank(state, case, x, ids, grad_y, rank, world_size)
                 stock_err = {n: rel_error(runs["stock"][n], w) for n, w in oracle.items()} if "stock" in runs else {}
                 tag = f"{backend}/{case}"
                 for label, got in runs.items():

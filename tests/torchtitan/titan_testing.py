@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from moe_testing import REL_TOL, rel_error
 
 __all__ = ["BATCH", "CASES", "DIM", "HIDDEN", "NUM_EXPERTS", "REL_TOL", "SEQ", "bf16_bar", "cpu_device_meshes",
-           "expert_parallel_dims", "global_state", "layer_inputs", "make_moe_config", "moe_oracle64", "rel_error",
+           "expert_parallel_dims", "global_state", "layer_inputs", "make_moe_config", "moe_oracle64", "oracle_for_rank",
+           "rel_error",
            "run_moe", "titan_world", "with_override"]
 
 # Shapes off every tile: 2 x 37 tokens per rank, widths that torch._grouped_mm takes in bf16
@@ -109,19 +110,25 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def run_moe(cfg, state, x, grad_y, parallel_dims=None, context=contextlib.nullcontext):
-    """Build ``cfg``, load the global ``state``, parallelize over ``parallel_dims`` (if given), run
-    forward and backward: {"y", "dx", "ids", parameter name -> gradient (this rank's shard)}."""
+def run_moe(cfg, state, x, grad_y, parallel_dims=None, context=contextlib.nullcontext, compile_backend=None):
+    """Build ``cfg``, load the global ``state``, parallelize over ``parallel_dims`` (if given),
+    compile the layer whole (fullgraph, as torchtitan compiles a block; ``compile_backend`` if
+    given), run forward and backward: {"y", "dx", "ids" (None compiled), parameter name ->
+    gradient (this rank's shard)}."""
     moe = cfg.build()
     moe.load_state_dict(state)
     if parallel_dims is not None:
         moe.parallelize(parallel_dims)
-    routing = {}
+    routing = {"ids": None}
 
     def keep_ids(module, args, out):
         routing["ids"] = _local(out[1]).clone()
 
-    moe.router.register_forward_hook(keep_ids)
+    if compile_backend is None:
+        moe.router.register_forward_hook(keep_ids)
+    else:
+        torch._dynamo.reset()
+        moe.compile(backend=compile_backend, fullgraph=True)
     x = x.clone().requires_grad_()
     with context():
         y = _local(moe(x))
@@ -158,6 +165,20 @@ def moe_oracle64(state: dict, case: str, x: torch.Tensor, ids: torch.Tensor, gra
         y = y + (F.silu(x @ s1.t()) * (x @ s3.t())) @ s2.t()
     y.backward(grad_y.double())
     return {"y": y.detach(), "dx": x.grad, **{k: v.grad for k, v in leaves.items()}}
+
+
+_EXPERT_PARAMS = tuple(f"routed_experts.inner_experts.{n}" for n in ("w1_EFD", "w2_EDF", "w3_EFD"))
+
+
+def oracle_for_rank(state, case, x, ids, grad_y, rank, world_size):
+    """``moe_oracle64`` on this rank's tokens at expert parallelism ``world_size``: the expert
+    gradients summed over every rank's tokens, this rank's shard of them."""
+    oracle = moe_oracle64(state, case, x, ids, grad_y)
+    per_rank = NUM_EXPERTS // world_size
+    for name in _EXPERT_PARAMS:
+        dist.all_reduce(oracle[name])
+        oracle[name] = oracle[name][rank * per_rank:(rank + 1) * per_rank]
+    return oracle
 
 
 def cpu_device_meshes() -> None:

@@ -1,0 +1,189 @@
+"""The expert-parallel token exchange (``alltoall.py``) as ``torch.library`` custom ops, for models
+under torch.compile at expert parallelism > 1.
+
+torchtitan compiles each transformer block with ``fullgraph=True``. The eager exchange lays out its
+send buffer with ``nonzero`` and reads its all-to-all splits on the host, which dynamo cannot trace.
+Here each direction of the exchange is one op: ``ep_dispatch`` (layout, count exchange, and the
+all-to-all of rows, local ids and probabilities) and ``ep_combine`` (the all-to-all back and the
+per-token sum in rank order), each with a backward op. Their data-dependent sizes (rows sent,
+rows received, slots received) are unbacked sizes in the compiled graph; the splits travel between
+the ops in a small int64 CPU tensor, never through the graph's symbols. The ops call the eager
+exchange's own pieces, so a compiled step computes the eager one's bits.
+
+``compiled_alltoall_moe(x, topk_ids, topk_probs, w1, w3, w2, group, ...)``: the experts over the
+group through these ops and ``compiled_op.expert_mlp``, with the received rows' expert-order
+buffers cut to the slots actually received.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from ..compiled_op import checked_expert_mlp
+from ..moe_mlp import check_split_moe_mlp_args
+from ..reference import sum_slots
+from .alltoall import _all_to_all, plan_token_exchange
+
+__all__ = ["compiled_alltoall_moe"]
+
+# Rows of the splits tensor (int64, CPU, [4, ranks]): what this rank sends to / receives from each
+# rank, in rows and in (token, expert) slots.
+_SEND_ROWS, _SEND_SLOTS, _RECV_ROWS, _RECV_SLOTS = range(4)
+
+
+def compiled_alltoall_moe(x, topk_ids, topk_probs, w1, w3, w2, group, *, activation="swiglu",
+                          recompute="activation", routing_method="auto", backend="auto"):
+    """``alltoall_moe``'s result (x [T, d], global ``topk_ids`` [T, K], this rank's experts ``w1``,
+    ``w3`` [E_local, F, d] (``w3`` None: ``w1`` is the whole fc1) and ``w2`` [E_local, d, F]) as ops
+    that torch.compile keeps whole. Each token goes once to each rank holding one of its experts;
+    the partial outputs come back and are summed per token in rank order."""
+    ranks = dist.get_world_size(group)
+    _check_args(x, topk_ids, topk_probs, w1, w3, w2, ranks, activation, recompute, backend)
+    name = group.group_name
+    recv_x, recv_ids, recv_probs, used_slots, send_token, send_slot, _, splits = torch.ops.moeblaze.ep_dispatch(
+        x, topk_ids, topk_probs, w1.shape[0], name)
+    out = checked_expert_mlp(recv_x, recv_ids, recv_probs, w1, w3, w2, activation, recompute, routing_method,
+                             backend, used_slots)
+    return torch.ops.moeblaze.ep_combine(out, send_token, send_slot, splits, name)
+
+
+def _check_args(x, topk_ids, topk_probs, w1, w3, w2, ranks, activation, recompute, backend):
+    """The expert MLP's argument checks with the ids global: weights of ``ranks`` times the local
+    experts (zero-stride stand-ins in the weights' dtypes)."""
+    def whole(w):
+        return None if w is None else w.new_empty(()).expand(w.shape[0] * ranks, *w.shape[1:])
+
+    check_split_moe_mlp_args(x, topk_ids, topk_probs, whole(w1), whole(w3), whole(w2), activation, None, recompute,
+                             backend)
+
+
+def _counts(splits):
+    return splits.tolist()
+
+
+@torch.library.custom_op("moeblaze::ep_dispatch", mutates_args=())
+def _dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor, num_local_experts: int,
+              group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                        torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(received rows [R, d], their local expert ids [R, W] (-1 padded, W = min(K, E_local)) and
+    probabilities [R, W], the received slots (0-d, CPU), send_token [S], send_slot [T, ranks],
+    send_cols [S, W], the splits [4, ranks] (CPU))."""
+    group = _resolve_process_group(group_name)
+    ranks = dist.get_world_size(group)
+    exchange, send_ids, send_cols = plan_token_exchange(topk_ids, num_local_experts, ranks)
+    exchange.exchange_counts(group)
+    send_probs = torch.where(send_ids >= 0, topk_probs[exchange.send_token].gather(1, send_cols), 0)
+    recv, send = exchange.recv_counts, exchange.send_counts
+    recv_x = _all_to_all(x[exchange.send_token], recv, send, group)
+    recv_ids = _all_to_all(send_ids, recv, send, group)
+    recv_probs = _all_to_all(send_probs, recv, send, group)
+    splits = torch.tensor([exchange.send_counts, exchange.send_slots, exchange.recv_counts, exchange.recv_slots],
+                          dtype=torch.int64)
+    used_slots = torch.tensor(exchange.num_received_slots, dtype=torch.int64)
+    # The fake implementation's strides and fresh storage (the compiled graph asserts 16-byte
+    # alignment): send_token is a row of nonzero's result, send_cols a slice of the sort's indices.
+    return (recv_x, recv_ids, recv_probs, used_slots, exchange.send_token.clone(), exchange.send_slot,
+            send_cols.contiguous(), splits)
+
+
+@_dispatch.register_fake
+def _dispatch_fake(x, topk_ids, topk_probs, num_local_experts, group_name):
+    ctx = torch.library.get_ctx()
+    ranks = dist.get_world_size(_resolve_process_group(group_name))
+    width = min(topk_ids.shape[1], num_local_experts)
+    received, sent = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    index = dict(dtype=torch.int64, device=topk_ids.device)
+    return (x.new_empty(received, x.shape[1]), torch.empty(received, width, dtype=torch.int32, device=x.device),
+            topk_probs.new_empty(received, width), torch.empty((), dtype=torch.int64),
+            torch.empty(sent, **index), torch.empty(topk_ids.shape[0], ranks, **index),
+            torch.empty(sent, width, **index), torch.empty(4, ranks, dtype=torch.int64))
+
+
+@torch.library.custom_op("moeblaze::ep_dispatch_backward", mutates_args=())
+def _dispatch_backward(grad_x_rows: torch.Tensor, grad_prob_rows: torch.Tensor, recv_ids: torch.Tensor,
+                       send_slot: torch.Tensor, send_cols: torch.Tensor, splits: torch.Tensor, topk: int,
+                       group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad x [T, d], grad topk_probs [T, K]): each received row's gradients back to its source,
+    summed per token in rank order; a probability's gradient to the column it was taken from."""
+    group = _resolve_process_group(group_name)
+    send, _, recv, _ = _counts(splits)
+    grad_x = sum_slots(_all_to_all(grad_x_rows, send, recv, group), send_slot)
+    grad_send = _all_to_all(torch.where(recv_ids >= 0, grad_prob_rows, 0), send, recv, group)
+    grad_cols = grad_send.new_zeros(grad_send.shape[0], topk).scatter_add_(1, send_cols, grad_send)
+    return grad_x, sum_slots(grad_cols, send_slot)
+
+
+@_dispatch_backward.register_fake
+def _dispatch_backward_fake(grad_x_rows, grad_prob_rows, recv_ids, send_slot, send_cols, splits, topk, group_name):
+    tokens = send_slot.shape[0]
+    return grad_x_rows.new_empty(tokens, grad_x_rows.shape[1]), grad_prob_rows.new_empty(tokens, topk)
+
+
+def _dispatch_setup(ctx, inputs, output):
+    _, topk_ids, _, _, group_name = inputs
+    _, recv_ids, _, _, _, send_slot, send_cols, splits = output
+    ctx.save_for_backward(recv_ids, send_slot, send_cols, splits)
+    ctx.topk, ctx.group_name = topk_ids.shape[1], group_name
+    ctx.row_shape, ctx.dtypes = output[0].shape, (output[0].dtype, output[2].dtype)
+    ctx.mark_non_differentiable(*output[1:2], *output[3:])
+
+
+def _dispatch_grad(ctx, grad_x_rows, _, grad_prob_rows, *__):
+    recv_ids, send_slot, send_cols, splits = ctx.saved_tensors
+    # A received tensor the layer did not use gets no gradient: zeros, so every rank still takes
+    # part in both all-to-alls.
+    if grad_x_rows is None:
+        grad_x_rows = recv_ids.new_zeros(ctx.row_shape, dtype=ctx.dtypes[0])
+    if grad_prob_rows is None:
+        grad_prob_rows = recv_ids.new_zeros(recv_ids.shape, dtype=ctx.dtypes[1])
+    grad_x, grad_probs = torch.ops.moeblaze.ep_dispatch_backward(grad_x_rows, grad_prob_rows, recv_ids, send_slot,
+                                                                send_cols, splits, ctx.topk, ctx.group_name)
+    return grad_x, None, grad_probs, None, None
+
+
+_dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)
+
+
+@torch.library.custom_op("moeblaze::ep_combine", mutates_args=())
+def _combine(rows: torch.Tensor, send_token: torch.Tensor, send_slot: torch.Tensor, splits: torch.Tensor,
+             group_name: str) -> torch.Tensor:
+    """y [T, d]: the rows computed here for every source rank sent back, and each token's partials
+    summed in rank order."""
+    send, _, recv, _ = _counts(splits)
+    return sum_slots(_all_to_all(rows, send, recv, _resolve_process_group(group_name)), send_slot)
+
+
+@_combine.register_fake
+def _combine_fake(rows, send_token, send_slot, splits, group_name):
+    return rows.new_empty(send_slot.shape[0], rows.shape[1])
+
+
+@torch.library.custom_op("moeblaze::ep_combine_backward", mutates_args=())
+def _combine_backward(grad_y: torch.Tensor, send_token: torch.Tensor, splits: torch.Tensor, num_rows: int,
+                      group_name: str) -> torch.Tensor:
+    """grad rows [num_rows, d]: each token's output gradient to every rank that computed for it."""
+    send, _, recv, _ = _counts(splits)
+    return _all_to_all(grad_y[send_token], recv, send, _resolve_process_group(group_name))
+
+
+@_combine_backward.register_fake
+def _combine_backward_fake(grad_y, send_token, splits, num_rows, group_name):
+    return grad_y.new_empty(num_rows, grad_y.shape[1])
+
+
+def _combine_setup(ctx, inputs, output):
+    rows, send_token, _, splits, group_name = inputs
+    ctx.save_for_backward(send_token, splits)
+    ctx.num_rows, ctx.group_name = rows.shape[0], group_name
+
+
+def _combine_grad(ctx, grad_y):
+    send_token, splits = ctx.saved_tensors
+    grad_rows = torch.ops.moeblaze.ep_combine_backward(grad_y.contiguous(), send_token, splits, ctx.num_rows,
+                                                       ctx.group_name)
+    return grad_rows, None, None, None, None
+
+
+_combine.register_autograd(_combine_grad, setup_context=_combine_setup)
