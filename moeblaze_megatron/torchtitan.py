@@ -131,8 +131,8 @@ class MoEBlazeRoutedExperts(RoutedExperts):
         start_compile_workers(self.options.backend)
         # The expert-parallel process group, set by parallelize() when EP > 1.
         self.ep_group = None
-        # Rows this rank received in the last exchange (EP > 1, alltoall): its unique
-        # (token, rank) pairs.
+        # Rows this rank received in the last exchange (EP > 1, alltoall, eager: a compiled graph
+        # keeps no Python side effects): its unique (token, rank) pairs.
         self.num_received_tokens = None
 
     def parallelize(self, parallel_dims) -> None:
