@@ -52,6 +52,7 @@ from .config import MoEBlazeConfig
 from .moe_mlp import check_split_moe_mlp_args, moe_mlp, resolved_backend, split_fc1, start_compile_workers
 from .parallel.alltoall import prepare_send
 from .parallel.compiled_exchange import compiled_alltoall_moe
+from .parallel.compiled_ring import compiled_ring_moe
 from .parallel.ring import group_mean_tokens, layer_traffic, ring_moe
 from .parallel.volume import resolve_ep_mode
 from .reference import ReferenceMoEMLP
@@ -184,12 +185,16 @@ class MoEBlazeRoutedExperts(RoutedExperts):
                        backend=self.options.backend)
         if self.ep_group is None:
             return expert_mlp(x, ids, scores, w1, w3, w2, _ACTIVATION, **options)
-        if self.options.ep_mode != "alltoall":
-            raise NotImplementedError(
-                f"MoEBlazeRoutedExperts: ep_mode={self.options.ep_mode!r} under torch.compile is not supported "
-                "(the ring's hops and the 'auto' choice are made on the host); use ep_mode='alltoall' with "
-                "--compile.enable, or leave 'model' out of --compile.components")
-        return compiled_alltoall_moe(x, ids, scores, w1, w3, w2, self.ep_group, activation=_ACTIVATION, **options)
+        if self.options.ep_mode == "alltoall":
+            return compiled_alltoall_moe(x, ids, scores, w1, w3, w2, self.ep_group, activation=_ACTIVATION, **options)
+        if self.options.ep_mode == "ring":
+            del options["recompute"]  # the ring recomputes each hop's first GEMM in backward
+            return compiled_ring_moe(x, ids, scores, torch.cat([w1, w3], dim=1).to(x.dtype), w2.to(x.dtype),
+                                     self.ep_group, mode=self.options.ring_mode, activation=_ACTIVATION, **options)
+        raise NotImplementedError(
+            f"MoEBlazeRoutedExperts: ep_mode={self.options.ep_mode!r} under torch.compile is not supported (it "
+            "chooses between the all-to-all exchange and the ring per layer, on the host); use ep_mode='alltoall' "
+            "or 'ring' with --compile.enable")
 
     def _run_local(self, x, scores, ids, w1, w3, w2, slots=None):
         """This rank's experts over rows x with local expert ids (-1 unused); ``slots``: how many

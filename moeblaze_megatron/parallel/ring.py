@@ -38,7 +38,8 @@ from ..reference import compute_dtype
 from ..routing import build_routing_plan
 from .volume import LayerTraffic, choose_mode
 
-__all__ = ["group_mean_tokens", "hop_backward", "hop_forward", "layer_traffic", "ring_moe", "shard_row_counts"]
+__all__ = ["check_ring_args", "group_mean_tokens", "hop_backward", "hop_forward", "layer_traffic", "ring_backward",
+           "ring_forward", "ring_moe", "shard_row_counts"]
 
 
 def shard_row_counts(topk_ids: torch.Tensor, experts_per_rank: int, ep_size: int) -> torch.Tensor:
@@ -78,6 +79,13 @@ def ring_moe(x, topk_ids, topk_probs, fc1_weight, fc2_weight, group, *, mode: st
     between ranks. Returns y [T, d], as ``moe_mlp`` over all P * E_local experts would;
     differentiable in x, topk_probs and the weights.
     """
+    check_ring_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, mode)
+    return _RingMoE.apply(x, topk_probs, fc1_weight, fc2_weight, topk_ids.to(torch.int32), group, mode, activation,
+                          backend, routing_method)
+
+
+def check_ring_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, mode):
+    """``ring_moe``'s argument checks: a ValueError naming the argument."""
     if mode not in RING_CHOICES:
         raise ValueError(f"mode must be one of {RING_CHOICES}, got {mode!r}")
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
@@ -88,8 +96,6 @@ def ring_moe(x, topk_ids, topk_probs, fc1_weight, fc2_weight, group, *, mode: st
     if fc1_weight.dim() != 3 or fc2_weight.dim() != 3 or fc1_weight.shape[0] != fc2_weight.shape[0]:
         raise ValueError(f"fc1_weight [E_local, 2h or h, d] and fc2_weight [E_local, d, h] must hold the same "
                          f"experts, got {tuple(fc1_weight.shape)} and {tuple(fc2_weight.shape)}")
-    return _RingMoE.apply(x, topk_probs, fc1_weight, fc2_weight, topk_ids.to(torch.int32), group, mode, activation,
-                          backend, routing_method)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,23 +211,40 @@ def _finish(acc, like):
     return torch.zeros_like(like) if acc is None else acc.to(like.dtype)
 
 
+def ring_forward(x, topk_probs, fc1_weight, fc2_weight, topk_ids, group, mode, activation, backend, method):
+    """The ring's forward pass, nothing saved: ``(y, the ring that ran ("expert" or "token"), the
+    host-side sizes its backward takes)``. ``topk_ids`` int32."""
+    ring = _Ring(group)
+    experts = fc1_weight.shape[0]
+    if mode == "expert":
+        # Only this rank's rows per shard are needed: no all-gather.
+        sizes = [None] * ring.size
+        sizes[ring.rank] = [topk_ids.shape[0], *shard_row_counts(topk_ids, experts, ring.size).tolist()]
+    else:
+        sizes = ring.sizes(topk_ids, experts)
+    if mode == "auto":
+        tokens = sum(row[0] for row in sizes) / ring.size
+        mode = choose_mode(RING_MODES, layer_traffic(tokens, x, topk_probs, (fc1_weight, fc2_weight), ring.size))
+    run = _expert_forward if mode == "expert" else _token_forward
+    y = run(ring, sizes, x, topk_ids, topk_probs, (fc1_weight, fc2_weight), activation, backend, method)
+    return y, mode, sizes
+
+
+def ring_backward(grad_y, x, topk_probs, fc1_weight, fc2_weight, topk_ids, group, mode, sizes, activation, backend,
+                  method, needs):
+    """The ring's backward pass (``mode`` and ``sizes`` as ``ring_forward`` returned them): the
+    gradients of (x, topk_probs, fc1, fc2), None where ``needs`` says."""
+    run = _expert_backward if mode == "expert" else _token_backward
+    grads = run(_Ring(group), sizes, grad_y.contiguous(), x, topk_ids, topk_probs, (fc1_weight, fc2_weight),
+                activation, backend, method, needs)
+    return tuple(g if need else None for g, need in zip(grads, needs))
+
+
 class _RingMoE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_probs, fc1_weight, fc2_weight, topk_ids, group, mode, activation, backend, method):
-        ring = _Ring(group)
-        experts = fc1_weight.shape[0]
-        if mode == "expert":
-            # Only this rank's rows per shard are needed: no all-gather.
-            sizes = [None] * ring.size
-            sizes[ring.rank] = [topk_ids.shape[0], *shard_row_counts(topk_ids, experts, ring.size).tolist()]
-        else:
-            sizes = ring.sizes(topk_ids, experts)
-        if mode == "auto":
-            tokens = sum(row[0] for row in sizes) / ring.size
-            mode = choose_mode(RING_MODES, layer_traffic(tokens, x, topk_probs, (fc1_weight, fc2_weight), ring.size))
-        weights = (fc1_weight.detach(), fc2_weight.detach())
-        run = _expert_forward if mode == "expert" else _token_forward
-        y = run(ring, sizes, x.detach(), topk_ids, topk_probs.detach(), weights, activation, backend, method)
+        y, mode, sizes = ring_forward(x.detach(), topk_probs.detach(), fc1_weight.detach(), fc2_weight.detach(),
+                                      topk_ids, group, mode, activation, backend, method)
         ctx.save_for_backward(x, topk_probs, fc1_weight, fc2_weight, topk_ids)
         ctx.config = (group, mode, sizes, activation, backend, method)
         return y
@@ -230,11 +253,9 @@ class _RingMoE(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, topk_probs, fc1_weight, fc2_weight, topk_ids = ctx.saved_tensors
         group, mode, sizes, activation, backend, method = ctx.config
-        needs = ctx.needs_input_grad[:4]
-        run = _expert_backward if mode == "expert" else _token_backward
-        grads = run(_Ring(group), sizes, grad_y.contiguous(), x, topk_ids, topk_probs,
-                    (fc1_weight.detach(), fc2_weight.detach()), activation, backend, method, needs)
-        return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None, None)
+        grads = ring_backward(grad_y, x, topk_probs, fc1_weight.detach(), fc2_weight.detach(), topk_ids, group, mode,
+                              sizes, activation, backend, method, ctx.needs_input_grad[:4])
+        return (*grads, None, None, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,8 +2,7 @@
 compiled with fullgraph=True, then the loss): the MoE layer compiled whole meets the float64
 oracle as the eager override does and gives its bits under aot_eager, on one rank and at expert
 parallelism 2 and 4 (gloo); a model trained through torchtitan's own apply_compile (inductor)
-trains the same steps as eager; the ring and the "auto" EP mode under compile are refused by
-name."""
+trains the same steps as eager; the "auto" EP mode under compile is refused by name."""
 
 from __future__ import annotations
 
@@ -88,14 +87,13 @@ def test_torchtitans_compile_trains_the_override_as_eager(activation_checkpoint)
         assert abs(a - b) <= 16 * torch.finfo(torch.bfloat16).eps * abs(b), (compiled, eager)
 
 
-@pytest.mark.parametrize("ep_mode", ["ring", "auto"])
-def test_ring_and_auto_modes_under_compile_are_refused(ep_mode):
+def test_auto_ep_mode_under_compile_is_refused():
     from moeblaze_megatron.torchtitan import MoEBlazeRoutedExperts
 
-    routed = with_override(make_moe_config("softmax_top2"), backend="reference", ep_mode=ep_mode).build().routed_experts
+    routed = with_override(make_moe_config("softmax_top2"), backend="reference", ep_mode="auto").build().routed_experts
     assert isinstance(routed, MoEBlazeRoutedExperts)
     routed.ep_group = types.SimpleNamespace()  # as parallelize() sets it at EP > 1
-    with pytest.raises(NotImplementedError, match=f"ep_mode='{ep_mode}' under torch.compile"):
+    with pytest.raises(NotImplementedError, match="ep_mode='auto' under torch.compile"):
         routed._run_compiled(*(torch.empty(0),) * 6)
 
 
@@ -108,6 +106,10 @@ _EP_RUNS = {
 }
 
 
+# The rings run per entry of _EP_RUNS (by index).
+_RINGS = [("expert",), ("token",), ("auto",)]
+
+
 def _ep_compile_worker(rank, world_size, port):
     failures = []
     with titan_world(rank, world_size, port):
@@ -118,6 +120,9 @@ def _ep_compile_worker(rank, world_size, port):
             cfg = make_moe_config(case, expert_parallel=True)
             tag = f"{spmd_backend}/{case}/{compile_backend}"
             variants = [("bf16", dict(backend="reference")), ("fp32", dict(backend="reference", expert_dtype="input"))]
+            # Both rings (the ring's own "auto" choice of ring too), in float32.
+            variants += [(f"ring_{ring}_fp32", dict(backend="reference", expert_dtype="input", ep_mode="ring",
+                                                   ring_mode=ring)) for ring in _RINGS[index]]
             if index == 0 and TRITON_INTERPRETED:
                 # The kernels on the received rows, their expert-order buffers cut to the slots.
                 variants.append(("triton_fp32", dict(backend="triton", expert_dtype="input")))
@@ -140,9 +145,10 @@ def _ep_compile_worker(rank, world_size, port):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_expert_parallel_under_compile_matches_eager_and_the_oracle(world_size):
-    """The token exchange as custom ops (``parallel/compiled_exchange.py``) at EP = 2 and 4, the
-    layer compiled whole with fullgraph=True as torchtitan compiles a block: aot_eager gives the
-    eager exchange's bits; every run meets the float64 oracle."""
+    """The token exchange and the rings as custom ops (``parallel/compiled_exchange.py``,
+    ``compiled_ring.py``) at EP = 2 and 4, the layer compiled whole with fullgraph=True as
+    torchtitan compiles a block: aot_eager gives eager's bits; every run meets the float64
+    oracle."""
     reports = run_distributed(_ep_compile_worker, world_size, timeout=500)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(reports) for f in fs]
     assert not failures, "\n".join(failures)
