@@ -75,6 +75,9 @@ def parse_args(argv=None):
                    help="seconds the whole comparison should take: the searches get what the runs leave of it "
                    "(default 300 on GPU, one device call; 0: no budget)")
     p.add_argument("--out", help="output folder (default $OUT, else runs/compare_torchtitan/<family>-<cpu|gpu>)")
+    p.add_argument("--profile-layer", choices=("on", "off"), default="off",
+                   help="also profile the queued routed-experts timing (torch.profiler): each run's ops and kernels "
+                   "by total time, in layer_profile_<run>.txt under --out")
     args = p.parse_args(argv)
     for name in ("steps", "seq_len", "local_batch_size"):
         value = getattr(args, name)

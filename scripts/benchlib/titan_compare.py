@@ -195,7 +195,7 @@ def search_micro_batch(trainer, budget_bytes, time_limit, progress, allocated_be
     return {"dimension": "micro-batch", "budget_bytes": budget_bytes, **found, "probes": probes}
 
 
-def routed_experts_seconds(trainer, repeats: int = 10, warmup: int = 3) -> tuple[float, float]:
+def routed_experts_seconds(trainer, repeats: int = 10, warmup: int = 3, profile_to=None) -> tuple[float, float]:
     """Seconds of one MoE layer's routed experts alone, forward and backward (gradients of the
     input, the scores and the weights), at the run's tokens per step on balanced random routing:
     the experts' share of a step, measured the same way for stock and the override. Two medians:
@@ -205,7 +205,8 @@ def routed_experts_seconds(trainer, repeats: int = 10, warmup: int = 3) -> tuple
     The layer's FSDP unit is unsharded around it as in the step (bf16 weights); gradients are
     returned, not accumulated. Under ``--compile`` the layer is compiled as the step's blocks are
     (fullgraph, the run's backend), so stock's permutation and combine are fused as in its step.
-    CUDA events on a GPU, the host clock on the CPU."""
+    CUDA events on a GPU, the host clock on the CPU. ``profile_to``: a file for torch.profiler's
+    table of one more queued timing (ops and kernels by total time)."""
     import torch
 
     from moeblaze_megatron.training.titan_models import TITAN_FAMILIES
@@ -236,9 +237,24 @@ def routed_experts_seconds(trainer, repeats: int = 10, warmup: int = 3) -> tuple
 
         per_call = [_timed(call, device, 1) for _ in range(warmup + repeats)][warmup:]
         queued = [_timed(call, device, repeats) for _ in range(3)]
+        if profile_to is not None:
+            _profile(call, device, repeats, profile_to)
     finally:
         block.reshard()
     return statistics.median(per_call), statistics.median(queued)
+
+
+def _profile(fn, device, calls: int, path) -> None:
+    """torch.profiler's table of ``calls`` queued calls of ``fn``, sorted by device time on a GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        _timed(fn, device, calls)
+    table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40,
+                                      max_name_column_width=70)
+    path.write_text(f"{calls} calls, queued\n{table}\n")
 
 
 def _timed(fn, device, calls: int) -> float:
@@ -290,9 +306,11 @@ def _runs(args, device, cuda_graphs: bool):
             ("candidate", TitanRun(override=options, **common), 0.0))
 
 
-def compare(args, device, progress, cuda_graphs: bool, partial: Path | None = None) -> dict:
+def compare(args, device, progress, cuda_graphs: bool, partial: Path | None = None,
+            profile_dir: Path | None = None) -> dict:
     """The three runs, the searches and the loss check; ``partial``: where the record so far is
-    written after each run (a run stopped by a time limit still leaves what it measured)."""
+    written after each run (a run stopped by a time limit still leaves what it measured);
+    ``profile_dir``: where each run's routed-experts profile goes (None: not profiled)."""
     import torch
 
     from moeblaze_megatron.training.titan_loop import TitanTrainer
@@ -317,8 +335,9 @@ def compare(args, device, progress, cuda_graphs: bool, partial: Path | None = No
                                           for phase, times in record["phase_seconds"].items()}
         result["runs"][name] = record
         if name != "control":
+            profile_to = profile_dir / f"layer_profile_{run.label}.txt" if profile_dir is not None else None
             (record["routed_experts_seconds_per_layer"],
-             record["routed_experts_queued_seconds_per_layer"]) = routed_experts_seconds(trainer)
+             record["routed_experts_queued_seconds_per_layer"]) = routed_experts_seconds(trainer, profile_to=profile_to)
             record["moe_layers"] = len(trainer.routed_experts())
         if name != "control":
             progress(f"  {run.label}: median {record['median_step_seconds'] * 1e3:.1f} ms/step, "
@@ -415,15 +434,16 @@ def run(args, command: str) -> int:
         graphs = args.cuda_graphs == "on" and device.type == "cuda"
         out.mkdir(parents=True, exist_ok=True)
         partial = out / "compare_torchtitan.partial.json"
+        profile_dir = out if args.profile_layer == "on" else None
         try:
-            result = compare(args, device, progress, graphs, partial)
+            result = compare(args, device, progress, graphs, partial, profile_dir)
         except Exception as error:  # noqa: BLE001 - reported, then the eager comparison
             if not graphs:
                 raise
             progress(f"with CUDA graphs the comparison failed ({type(error).__name__}: {error}); "
                      "again with eager steps for every run")
             torch.cuda.empty_cache()
-            result = compare(args, device, progress, False, partial)
+            result = compare(args, device, progress, False, partial, profile_dir)
             result["cuda_graphs_error"] = f"{type(error).__name__}: {error}"
     result["environment"] = environment(device, stand_in)
     result["command"] = command.strip()
