@@ -19,7 +19,10 @@ three grouped GEMMs and a scatter-add, the experts run as ``moe_mlp`` over a rou
 fused gather-GEMM kernels on CUDA, the PyTorch reference on the CPU); the router scores multiply
 the expert outputs, as in torchtitan's combine. With expert parallelism each token travels once
 to every rank holding one of its experts (``parallel.alltoall``) or around RelayMoE's ring
-(``parallel.ring``), over torchtitan's expert-parallel mesh.
+(``parallel.ring``), over torchtitan's expert-parallel mesh. Under torch.compile (torchtitan's
+``--compile.enable``) the op, the exchange and the ring run as ``torch.library`` custom ops
+(``compiled_op``, ``parallel.compiled_exchange``, ``parallel.compiled_ring``) that the compiled
+graph keeps whole.
 
 Weights and checkpoints: the ``inner_experts`` child is torchtitan's own ``GroupedExperts``
 module, untouched: ``w1_EFD`` (gate) and ``w3_EFD`` (up) [E, F, D] and ``w2_EDF`` [E, D, F], the
