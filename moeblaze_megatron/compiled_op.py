@@ -100,7 +100,8 @@ def _forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor, 
     if plan.expert_token_indices.shape[0] == 0:
         # Nothing routed here (the kernels take no empty grid).
         pre = x.new_empty(0, _fc1_width(w1, w3)) if save_pre else None
-        return (x.new_zeros(x.shape), topk_probs.new_empty(0), pre if pre is not None else _empty(x), *_maps(plan, topk_ids))
+        return (x.new_zeros(x.shape), topk_probs.new_empty(0), pre if pre is not None else _empty(x),
+                *_maps(plan, topk_ids))
     if backend == "triton":
         from .fused import fused_forward, prefetch_layer_kernels  # imports Triton: only when the kernels run
 

@@ -28,9 +28,9 @@ from .alltoall import _all_to_all, plan_token_exchange
 
 __all__ = ["compiled_alltoall_moe"]
 
-# Rows of the splits tensor (int64, CPU, [4, ranks]): what this rank sends to / receives from each
-# rank, in rows and in (token, expert) slots.
-_SEND_ROWS, _SEND_SLOTS, _RECV_ROWS, _RECV_SLOTS = range(4)
+# The splits tensor (int64, CPU, [4, ranks]) holds, per rank, the rows sent to it, the slots they
+# carry, the rows received from it and their slots: the host ints of the all-to-alls.
+_HOST = dict(dtype=torch.int64, device="cpu")
 
 
 def compiled_alltoall_moe(x, topk_ids, topk_probs, w1, w3, w2, group, *, activation="swiglu",
@@ -80,8 +80,8 @@ def _dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
     recv_ids = _all_to_all(send_ids, recv, send, group)
     recv_probs = _all_to_all(send_probs, recv, send, group)
     splits = torch.tensor([exchange.send_counts, exchange.send_slots, exchange.recv_counts, exchange.recv_slots],
-                          dtype=torch.int64)
-    used_slots = torch.tensor(exchange.num_received_slots, dtype=torch.int64)
+                          **_HOST)
+    used_slots = torch.tensor(exchange.num_received_slots, **_HOST)
     # The fake implementation's strides and fresh storage (the compiled graph asserts 16-byte
     # alignment): send_token is a row of nonzero's result, send_cols a slice of the sort's indices.
     return (recv_x, recv_ids, recv_probs, used_slots, exchange.send_token.clone(), exchange.send_slot,
@@ -96,9 +96,9 @@ def _dispatch_fake(x, topk_ids, topk_probs, num_local_experts, group_name):
     received, sent = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     index = dict(dtype=torch.int64, device=topk_ids.device)
     return (x.new_empty(received, x.shape[1]), torch.empty(received, width, dtype=torch.int32, device=x.device),
-            topk_probs.new_empty(received, width), torch.empty((), dtype=torch.int64),
+            topk_probs.new_empty(received, width), torch.empty((), **_HOST),
             torch.empty(sent, **index), torch.empty(topk_ids.shape[0], ranks, **index),
-            torch.empty(sent, width, **index), torch.empty(4, ranks, dtype=torch.int64))
+            torch.empty(sent, width, **index), torch.empty(4, ranks, **_HOST))
 
 
 @torch.library.custom_op("moeblaze::ep_dispatch_backward", mutates_args=())

@@ -21,6 +21,9 @@ from .ring import check_ring_args, ring_backward, ring_forward
 
 __all__ = ["compiled_ring_moe"]
 
+# The host-side tensors the ops pass between them.
+_HOST = dict(dtype=torch.int64, device="cpu")
+
 
 def compiled_ring_moe(x, topk_ids, topk_probs, fc1_weight, fc2_weight, group, *, mode="auto", activation="swiglu",
                       backend="auto", routing_method="auto"):
@@ -34,7 +37,7 @@ def compiled_ring_moe(x, topk_ids, topk_probs, fc1_weight, fc2_weight, group, *,
 def _encode(sizes, ranks):
     """The forward's size table as an int64 CPU tensor [ranks, 1 + ranks] (-1 rows: not
     gathered, the expert ring needs this rank's row only)."""
-    return torch.tensor([row if row is not None else [-1] * (1 + ranks) for row in sizes], dtype=torch.int64)
+    return torch.tensor([row if row is not None else [-1] * (1 + ranks) for row in sizes], **_HOST)
 
 
 def _decode(table):
@@ -50,14 +53,14 @@ def _forward(x: torch.Tensor, topk_probs: torch.Tensor, fc1_weight: torch.Tensor
     group = _resolve_process_group(group_name)
     y, ran, sizes = ring_forward(x, topk_probs, fc1_weight, fc2_weight, topk_ids, group, mode, activation, backend,
                                  routing_method)
-    return y, _encode(sizes, dist.get_world_size(group)), torch.tensor(RING_MODES.index(ran), dtype=torch.int64)
+    return y, _encode(sizes, dist.get_world_size(group)), torch.tensor(RING_MODES.index(ran), **_HOST)
 
 
 @_forward.register_fake
 def _forward_fake(x, topk_probs, fc1_weight, fc2_weight, topk_ids, group_name, mode, activation, backend,
                   routing_method):
     ranks = dist.get_world_size(_resolve_process_group(group_name))
-    return x.new_empty(x.shape), torch.empty(ranks, 1 + ranks, dtype=torch.int64), torch.empty((), dtype=torch.int64)
+    return x.new_empty(x.shape), torch.empty(ranks, 1 + ranks, **_HOST), torch.empty((), **_HOST)
 
 
 @torch.library.custom_op("moeblaze::ring_backward", mutates_args=())
