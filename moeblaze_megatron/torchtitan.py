@@ -57,7 +57,7 @@ from .parallel.alltoall import prepare_send
 from .parallel.compiled_exchange import compiled_alltoall_moe
 from .parallel.compiled_ring import compiled_ring_moe
 from .parallel.ring import group_mean_tokens, layer_traffic, ring_moe
-from .parallel.volume import resolve_ep_mode
+from .parallel.volume import MODES, resolve_ep_mode
 from .reference import ReferenceMoEMLP
 from .routing import build_routing_plan
 
@@ -188,16 +188,22 @@ class MoEBlazeRoutedExperts(RoutedExperts):
                        backend=self.options.backend)
         if self.ep_group is None:
             return expert_mlp(x, ids, scores, w1, w3, w2, _ACTIVATION, **options)
-        if self.options.ep_mode == "alltoall":
-            return compiled_alltoall_moe(x, ids, scores, w1, w3, w2, self.ep_group, activation=_ACTIVATION, **options)
-        if self.options.ep_mode == "ring":
-            del options["recompute"]  # the ring recomputes each hop's first GEMM in backward
-            return compiled_ring_moe(x, ids, scores, torch.cat([w1, w3], dim=1).to(x.dtype), w2.to(x.dtype),
-                                     self.ep_group, mode=self.options.ring_mode, activation=_ACTIVATION, **options)
-        raise NotImplementedError(
-            f"MoEBlazeRoutedExperts: ep_mode={self.options.ep_mode!r} under torch.compile is not supported (it "
-            "chooses between the all-to-all exchange and the ring per layer, on the host); use ep_mode='alltoall' "
-            "or 'ring' with --compile.enable")
+        mode, chosen = self.options.ep_mode, -1
+        if mode == "auto":
+            # Chosen at trace time from this rank's token count (eager gathers the group's): the
+            # ops check, before any transfer, that every rank chose alike.
+            ranks = dist.get_world_size(self.ep_group)
+            mode = resolve_ep_mode("auto", self.options.ring_mode,
+                                   lambda: layer_traffic(x.shape[0], x, scores, (w1, w3, w2), ranks))
+            chosen = MODES.index(mode)
+        elif mode == "ring":
+            mode = self.options.ring_mode
+        if mode == "alltoall":
+            return compiled_alltoall_moe(x, ids, scores, w1, w3, w2, self.ep_group, activation=_ACTIVATION,
+                                         chosen=chosen, **options)
+        del options["recompute"]  # the ring recomputes each hop's first GEMM in backward
+        return compiled_ring_moe(x, ids, scores, torch.cat([w1, w3], dim=1).to(x.dtype), w2.to(x.dtype),
+                                 self.ep_group, mode=mode, activation=_ACTIVATION, chosen=chosen, **options)
 
     def _run_local(self, x, scores, ids, w1, w3, w2, slots=None):
         """This rank's experts over rows x with local expert ids (-1 unused); ``slots``: how many

@@ -25,8 +25,9 @@ from ..compiled_op import checked_expert_mlp
 from ..moe_mlp import check_split_moe_mlp_args
 from ..reference import sum_slots
 from .alltoall import _all_to_all, plan_token_exchange
+from .volume import MODES
 
-__all__ = ["compiled_alltoall_moe"]
+__all__ = ["check_same_choice", "compiled_alltoall_moe"]
 
 # The splits tensor (int64, CPU, [4, ranks]) holds, per rank, the rows sent to it, the slots they
 # carry, the rows received from it and their slots: the host ints of the all-to-alls.
@@ -34,16 +35,17 @@ _HOST = dict(dtype=torch.int64, device="cpu")
 
 
 def compiled_alltoall_moe(x, topk_ids, topk_probs, w1, w3, w2, group, *, activation="swiglu",
-                          recompute="activation", routing_method="auto", backend="auto"):
+                          recompute="activation", routing_method="auto", backend="auto", chosen=-1):
     """``alltoall_moe``'s result (x [T, d], global ``topk_ids`` [T, K], this rank's experts ``w1``,
     ``w3`` [E_local, F, d] (``w3`` None: ``w1`` is the whole fc1) and ``w2`` [E_local, d, F]) as ops
     that torch.compile keeps whole. Each token goes once to each rank holding one of its experts;
-    the partial outputs come back and are summed per token in rank order."""
+    the partial outputs come back and are summed per token in rank order. ``chosen``: this mode's
+    index in ``volume.MODES`` where each rank chose it alone (``check_same_choice``), else -1."""
     ranks = dist.get_world_size(group)
     _check_args(x, topk_ids, topk_probs, w1, w3, w2, ranks, activation, recompute, backend)
     name = group.group_name
     recv_x, recv_ids, recv_probs, used_slots, send_token, send_slot, _, splits = torch.ops.moeblaze.ep_dispatch(
-        x, topk_ids, topk_probs, w1.shape[0], name)
+        x, topk_ids, topk_probs, w1.shape[0], name, chosen)
     out = checked_expert_mlp(recv_x, recv_ids, recv_probs, w1, w3, w2, activation, recompute, routing_method,
                              backend, used_slots)
     return torch.ops.moeblaze.ep_combine(out, send_token, send_slot, splits, name)
@@ -59,18 +61,36 @@ def _check_args(x, topk_ids, topk_probs, w1, w3, w2, ranks, activation, recomput
                              backend)
 
 
+def check_same_choice(chosen: int, tokens: int, group, device) -> None:
+    """Under ``ep_mode="auto"`` a compiled graph holds one mode, chosen at trace time from this
+    rank's own token count (eager gathers the group's first). Before any transfer of either mode
+    (this all-gather is the first collective of both), every rank learns every rank's choice, and
+    all raise alike if they differ: never one rank in the exchange and another in the ring."""
+    mine = torch.tensor([chosen, tokens], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    table = torch.stack(every).tolist()
+    if len({row[0] for row in table}) > 1:
+        raise RuntimeError(
+            f"ep_mode='auto' under torch.compile: the ranks chose different modes (indices into {MODES}: "
+            f"{[row[0] for row in table]}) from their own token counts {[row[1] for row in table]}; with "
+            "token counts that differ between ranks, name the mode (ep_mode='alltoall' or 'ring')")
+
+
 def _counts(splits):
     return splits.tolist()
 
 
 @torch.library.custom_op("moeblaze::ep_dispatch", mutates_args=())
 def _dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor, num_local_experts: int,
-              group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                        torch.Tensor, torch.Tensor, torch.Tensor]:
+              group_name: str, chosen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(received rows [R, d], their local expert ids [R, W] (-1 padded, W = min(K, E_local)) and
     probabilities [R, W], the received slots (0-d, CPU), send_token [S], send_slot [T, ranks],
     send_cols [S, W], the splits [4, ranks] (CPU))."""
     group = _resolve_process_group(group_name)
+    if chosen >= 0:
+        check_same_choice(chosen, x.shape[0], group, x.device)
     ranks = dist.get_world_size(group)
     exchange, send_ids, send_cols = plan_token_exchange(topk_ids, num_local_experts, ranks)
     exchange.exchange_counts(group)
@@ -89,7 +109,7 @@ def _dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
 
 
 @_dispatch.register_fake
-def _dispatch_fake(x, topk_ids, topk_probs, num_local_experts, group_name):
+def _dispatch_fake(x, topk_ids, topk_probs, num_local_experts, group_name, chosen):
     ctx = torch.library.get_ctx()
     ranks = dist.get_world_size(_resolve_process_group(group_name))
     width = min(topk_ids.shape[1], num_local_experts)
@@ -122,7 +142,7 @@ def _dispatch_backward_fake(grad_x_rows, grad_prob_rows, recv_ids, send_slot, se
 
 
 def _dispatch_setup(ctx, inputs, output):
-    _, topk_ids, _, _, group_name = inputs
+    _, topk_ids, _, _, group_name, _ = inputs
     _, recv_ids, _, _, _, send_slot, send_cols, splits = output
     ctx.save_for_backward(recv_ids, send_slot, send_cols, splits)
     ctx.topk, ctx.group_name = topk_ids.shape[1], group_name
@@ -140,7 +160,7 @@ def _dispatch_grad(ctx, grad_x_rows, _, grad_prob_rows, *__):
         grad_prob_rows = recv_ids.new_zeros(recv_ids.shape, dtype=ctx.dtypes[1])
     grad_x, grad_probs = torch.ops.moeblaze.ep_dispatch_backward(grad_x_rows, grad_prob_rows, recv_ids, send_slot,
                                                                 send_cols, splits, ctx.topk, ctx.group_name)
-    return grad_x, None, grad_probs, None, None
+    return grad_x, None, grad_probs, None, None, None
 
 
 _dispatch.register_autograd(_dispatch_grad, setup_context=_dispatch_setup)

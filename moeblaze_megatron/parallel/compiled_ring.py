@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ..config import RING_MODES
+from .compiled_exchange import check_same_choice
 from .ring import check_ring_args, ring_backward, ring_forward
 
 __all__ = ["compiled_ring_moe"]
@@ -26,11 +27,12 @@ _HOST = dict(dtype=torch.int64, device="cpu")
 
 
 def compiled_ring_moe(x, topk_ids, topk_probs, fc1_weight, fc2_weight, group, *, mode="auto", activation="swiglu",
-                      backend="auto", routing_method="auto"):
-    """``ring_moe``'s arguments and result as ops that torch.compile keeps whole."""
+                      backend="auto", routing_method="auto", chosen=-1):
+    """``ring_moe``'s arguments and result as ops that torch.compile keeps whole; ``chosen`` as
+    ``compiled_alltoall_moe``'s."""
     check_ring_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, mode)
     y, _, _ = torch.ops.moeblaze.ring_forward(x, topk_probs, fc1_weight, fc2_weight, topk_ids.to(torch.int32),
-                                              group.group_name, mode, activation, backend, routing_method)
+                                              group.group_name, mode, activation, backend, routing_method, chosen)
     return y
 
 
@@ -47,10 +49,12 @@ def _decode(table):
 @torch.library.custom_op("moeblaze::ring_forward", mutates_args=())
 def _forward(x: torch.Tensor, topk_probs: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
              topk_ids: torch.Tensor, group_name: str, mode: str, activation: str, backend: str,
-             routing_method: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             routing_method: str, chosen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y [T, d], the size table [ranks, 1 + ranks] (CPU), the ring that ran: an index into
     RING_MODES (0-d, CPU))."""
     group = _resolve_process_group(group_name)
+    if chosen >= 0:
+        check_same_choice(chosen, x.shape[0], group, x.device)
     y, ran, sizes = ring_forward(x, topk_probs, fc1_weight, fc2_weight, topk_ids, group, mode, activation, backend,
                                  routing_method)
     return y, _encode(sizes, dist.get_world_size(group)), torch.tensor(RING_MODES.index(ran), **_HOST)
@@ -58,7 +62,7 @@ def _forward(x: torch.Tensor, topk_probs: torch.Tensor, fc1_weight: torch.Tensor
 
 @_forward.register_fake
 def _forward_fake(x, topk_probs, fc1_weight, fc2_weight, topk_ids, group_name, mode, activation, backend,
-                  routing_method):
+                  routing_method, chosen):
     ranks = dist.get_world_size(_resolve_process_group(group_name))
     return x.new_empty(x.shape), torch.empty(ranks, 1 + ranks, **_HOST), torch.empty((), **_HOST)
 
@@ -83,7 +87,7 @@ def _backward_fake(grad_y, x, topk_probs, fc1_weight, fc2_weight, topk_ids, size
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_probs, fc1_weight, fc2_weight, topk_ids, group_name, _, activation, backend, routing_method = inputs
+    x, topk_probs, fc1_weight, fc2_weight, topk_ids, group_name, _, activation, backend, routing_method, _ = inputs
     _, sizes, ran = output
     ctx.save_for_backward(x, topk_probs, fc1_weight, fc2_weight, topk_ids, sizes, ran)
     ctx.options = (group_name, activation, backend, routing_method)
@@ -97,7 +101,7 @@ def _backward_of_forward(ctx, grad_y, *_):
         grad_y = torch.zeros_like(x)
     grads = torch.ops.moeblaze.ring_backward(grad_y, x, topk_probs, fc1_weight, fc2_weight, topk_ids, sizes, ran,
                                              *ctx.options, needs)
-    return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None, None)
+    return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None, None, None)
 
 
 _forward.register_autograd(_backward_of_forward, setup_context=_setup_context)

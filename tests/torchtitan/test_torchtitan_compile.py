@@ -1,15 +1,14 @@
 """The override under torchtitan's torch.compile (``--compile.enable``: each transformer block
 compiled with fullgraph=True, then the loss): the MoE layer compiled whole meets the float64
 oracle as the eager override does and gives its bits under aot_eager, on one rank and at expert
-parallelism 2 and 4 (gloo); a model trained through torchtitan's own apply_compile (inductor)
-trains the same steps as eager; the "auto" EP mode under compile is refused by name."""
+parallelism 2 and 4 (gloo: the exchange, both rings, the per-layer choice); a model trained through torchtitan's own apply_compile (inductor)
+trains the same steps as eager."""
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
+import torch.distributed as dist
 
 from moe_testing import TRITON_INTERPRETED, run_distributed
 from titan_testing import (
@@ -87,16 +86,6 @@ def test_torchtitans_compile_trains_the_override_as_eager(activation_checkpoint)
         assert abs(a - b) <= 16 * torch.finfo(torch.bfloat16).eps * abs(b), (compiled, eager)
 
 
-def test_auto_ep_mode_under_compile_is_refused():
-    from moeblaze_megatron.torchtitan import MoEBlazeRoutedExperts
-
-    routed = with_override(make_moe_config("softmax_top2"), backend="reference", ep_mode="auto").build().routed_experts
-    assert isinstance(routed, MoEBlazeRoutedExperts)
-    routed.ep_group = types.SimpleNamespace()  # as parallelize() sets it at EP > 1
-    with pytest.raises(NotImplementedError, match="ep_mode='auto' under torch.compile"):
-        routed._run_compiled(*(torch.empty(0),) * 6)
-
-
 # Per EP size, (SPMD backend, case, compile backend): every rank busy (top-k = E), a shared expert
 # with grouped routing, and three of four ranks receiving nothing ("skewed"); inductor once.
 _EP_RUNS = {
@@ -120,9 +109,11 @@ def _ep_compile_worker(rank, world_size, port):
             cfg = make_moe_config(case, expert_parallel=True)
             tag = f"{spmd_backend}/{case}/{compile_backend}"
             variants = [("bf16", dict(backend="reference")), ("fp32", dict(backend="reference", expert_dtype="input"))]
-            # Both rings (the ring's own "auto" choice of ring too), in float32.
+            # Both rings (the ring's own "auto" choice of ring too), and the per-layer choice
+            # (ep_mode="auto", made at trace time from the rank's token count), in float32.
             variants += [(f"ring_{ring}_fp32", dict(backend="reference", expert_dtype="input", ep_mode="ring",
                                                    ring_mode=ring)) for ring in _RINGS[index]]
+            variants.append(("auto_fp32", dict(backend="reference", expert_dtype="input", ep_mode="auto")))
             if index == 0 and TRITON_INTERPRETED:
                 # The kernels on the received rows, their expert-order buffers cut to the slots.
                 variants.append(("triton_fp32", dict(backend="triton", expert_dtype="input")))
@@ -140,15 +131,32 @@ def _ep_compile_worker(rank, world_size, port):
                     err = rel_error(compiled[name], want)
                     if not err <= bar:
                         failures.append(f"{tag}/{dtype_label}/{name}: relative error {err:.3e} > {bar:.3e}")
+        failures += _choices_checked(rank, world_size)
     return failures
+
+
+def _choices_checked(rank, world_size):
+    """``check_same_choice``: ranks that chose alike pass; ranks that did not all raise, naming
+    the fix (none is left waiting in a collective)."""
+    from moeblaze_megatron.parallel.compiled_exchange import check_same_choice
+
+    group = dist.group.WORLD
+    check_same_choice(1, 10, group, CPU)
+    try:
+        check_same_choice(rank % 2, 10 + rank, group, CPU)
+    except RuntimeError as error:
+        if "name the mode" not in str(error) or "[10, 11" not in str(error):
+            return [f"check_same_choice raised without the token counts or the fix: {error}"]
+        return []
+    return ["check_same_choice let ranks with different choices through"]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_expert_parallel_under_compile_matches_eager_and_the_oracle(world_size):
     """The token exchange and the rings as custom ops (``parallel/compiled_exchange.py``,
-    ``compiled_ring.py``) at EP = 2 and 4, the layer compiled whole with fullgraph=True as
-    torchtitan compiles a block: aot_eager gives eager's bits; every run meets the float64
-    oracle."""
+    ``compiled_ring.py``), and ep_mode="auto" choosing between them, at EP = 2 and 4, the layer
+    compiled whole with fullgraph=True as torchtitan compiles a block: aot_eager gives eager's
+    bits; every run meets the float64 oracle; ranks that chose differently all raise."""
     reports = run_distributed(_ep_compile_worker, world_size, timeout=500)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(reports) for f in fs]
     assert not failures, "\n".join(failures)
