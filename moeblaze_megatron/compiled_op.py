@@ -41,7 +41,8 @@ def expert_mlp(x, topk_ids, topk_probs, w1, w3, w2, activation="swiglu", *, reco
     ``used_slots``: a 0-d int64 CPU tensor holding how many of the ids are used, where the caller
     knows it (rows received in an expert-parallel exchange, -1 padded): the expert-order buffers
     (the saved pre-activations among them) are cut to it instead of T * K. Their size is then
-    data-dependent under compile."""
+    data-dependent under compile. It must be exact and is not checked (a check would synchronize
+    with the host), as the ring's per-hop counts."""
     check_split_moe_mlp_args(x, topk_ids, topk_probs, w1, w3, w2, activation, None, recompute, backend)
     if used_slots is not None and (not isinstance(used_slots, torch.Tensor) or used_slots.dim() != 0
                                    or used_slots.dtype != torch.int64 or used_slots.device.type != "cpu"):

@@ -183,7 +183,8 @@ class MoEBlazeRoutedExperts(RoutedExperts):
     def _run_compiled(self, x, scores, ids, w1, w3, w2):
         """Under torch.compile (torchtitan's ``--compile.enable``, each block with fullgraph=True):
         the op as one custom op each way (``compiled_op``), which the graph keeps whole; with
-        expert parallelism, the token exchange as custom ops too (``compiled_exchange``)."""
+        expert parallelism, the token exchange or the ring as custom ops too
+        (``compiled_exchange``, ``compiled_ring``)."""
         options = dict(recompute=self.options.recompute, routing_method=self.options.routing_method,
                        backend=self.options.backend)
         if self.ep_group is None:
@@ -202,8 +203,8 @@ class MoEBlazeRoutedExperts(RoutedExperts):
             return compiled_alltoall_moe(x, ids, scores, w1, w3, w2, self.ep_group, activation=_ACTIVATION,
                                          chosen=chosen, **options)
         del options["recompute"]  # the ring recomputes each hop's first GEMM in backward
-        return compiled_ring_moe(x, ids, scores, torch.cat([w1, w3], dim=1).to(x.dtype), w2.to(x.dtype),
-                                 self.ep_group, mode=mode, activation=_ACTIVATION, chosen=chosen, **options)
+        return compiled_ring_moe(x, ids, scores, *_ring_weights(w1, w3, w2, x.dtype), self.ep_group, mode=mode,
+                                 activation=_ACTIVATION, chosen=chosen, **options)
 
     def _run_local(self, x, scores, ids, w1, w3, w2, slots=None):
         """This rank's experts over rows x with local expert ids (-1 unused); ``slots``: how many
@@ -243,9 +244,14 @@ class MoEBlazeRoutedExperts(RoutedExperts):
         (``mode``: "expert", "token", or "auto": the ring picks by bytes). The stacked fc1 is
         kept for backward by the ring (E_local * 2F * D elements per layer; the local path
         rebuilds it instead)."""
-        fc1 = torch.cat([w1, w3], dim=1).to(x.dtype)
-        return ring_moe(x, ids, scores, fc1, w2.to(x.dtype), self.ep_group, mode=mode, activation=_ACTIVATION,
-                        backend=self.options.backend, routing_method=self.options.routing_method)
+        return ring_moe(x, ids, scores, *_ring_weights(w1, w3, w2, x.dtype), self.ep_group, mode=mode,
+                        activation=_ACTIVATION, backend=self.options.backend,
+                        routing_method=self.options.routing_method)
+
+
+def _ring_weights(w1, w3, w2, dtype):
+    """(fc1 [E_local, 2F, D] stacked [gate | up], fc2) in ``dtype``: the ring sends whole shards."""
+    return torch.cat([w1, w3], dim=1).to(dtype), w2.to(dtype)
 
 
 class _InnerContext:
