@@ -1,8 +1,8 @@
 """The override under torchtitan's torch.compile (``--compile.enable``: each transformer block
 compiled with fullgraph=True, then the loss): the MoE layer compiled whole meets the float64
 oracle as the eager override does and gives its bits under aot_eager, on one rank and at expert
-parallelism 2 and 4 (gloo: the exchange, both rings, the per-layer choice); a model trained through torchtitan's own apply_compile (inductor)
-trains the same steps as eager."""
+parallelism 2 and 4 (gloo: the exchange, both rings, the per-layer choice); a model trained
+through torchtitan's own apply_compile (inductor) trains the same steps as eager."""
 
 from __future__ import annotations
 
