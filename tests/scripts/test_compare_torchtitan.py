@@ -53,6 +53,17 @@ def test_cpu_comparison(tmp_path, capsys):
     assert any(line.startswith("median ms per phase of a step: stock forward+backward ") for line in table)
     experts_line = "routed experts alone, fwd+bwd per layer (balanced routing), per call / queued: stock "
     assert any(line.startswith(experts_line) for line in table)
+    bound = result["ratios"]["step_time_speedup_bound"]
+    step_line = next(line for line in table if line.startswith("step time "))
+    assert (bound is None) == ("took no time" not in step_line), (bound, step_line)
+
+
+def test_speedup_bound():
+    # 4 layers of 5 ms routed experts in a 100 ms step: 80 ms would be left, at most 1.25x.
+    base = {"median_step_seconds": 0.100, "moe_layers": 4, "routed_experts_queued_seconds_per_layer": 0.005}
+    assert titan_compare.speedup_bound(base) == pytest.approx(1.25)
+    # Timings that leave nothing of the step (a tiny CPU model, timed apart): no bound claimed.
+    assert titan_compare.speedup_bound(dict(base, routed_experts_queued_seconds_per_layer=0.025)) is None
 
 
 def test_stand_in_for_a_missing_data_parallel_mesh_dims(monkeypatch):
