@@ -55,7 +55,7 @@ class MoEBlazeConfig:
     ep_mode: with expert parallelism, ``"alltoall"`` (each token sent once per destination rank),
         ``"ring"`` (RelayMoE's ring: no dispatch buffer, only the layer input kept for backward) or
         ``"auto"`` (per layer, the alltoall exchange or a ring, whichever moves fewer bytes in a
-        training step, from shapes alone; ``parallel.volume``).
+        training step, from shapes alone; ``parallel.traffic``).
     ring_mode: which ring runs: ``"expert"`` (the weight shards travel), ``"token"`` (the token
         blocks travel) or ``"auto"`` (per layer, the one that moves fewer bytes).
     """

@@ -22,7 +22,7 @@ nothing left to do.
   (``parallel.ring``).
 
 ``ep_mode="auto"`` picks, at each forward, the mode that sends fewer bytes per training step
-(``parallel.volume``) from the group's mean token count (a small all-gather, so that every rank
+(``parallel.traffic``) from the group's mean token count (a small all-gather, so that every rank
 picks alike).
 """
 
@@ -36,7 +36,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from .config import RING_CHOICES, expert_tp_problem, get_moeblaze_config
 from .parallel.alltoall import prepare_send
 from .parallel.ring import group_mean_tokens
-from .parallel.volume import LayerTraffic, resolve_ep_mode
+from .parallel.traffic import LayerTraffic, resolve_ep_mode
 from .routing import RoutingPlan, build_routing_plan
 
 __all__ = ["ExpertRouting", "MoEBlazeTokenDispatcher", "routing_map_to_topk"]

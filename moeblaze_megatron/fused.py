@@ -28,7 +28,7 @@ import torch
 from .kernels import launch
 from .kernels.combine import combine
 from .kernels.launch import next_pow2, stand_in
-from .kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD, expert_order_gemm, row_gemm, row_gemm_ds_tiles
+from .kernels.gather_gemm import EPI_ACT_BWD, EPI_ACT_FWD, expert_order_gemm, gather_gemm, gather_gemm_ds_tiles
 from .kernels.weight_grad import gathered_weight_grad, grouped_weight_grads_apply, weight_grad
 from .routing import RoutingPlan
 
@@ -50,7 +50,7 @@ def fused_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation, *, sa
     ffn = fc2_weight.shape[2]
     pre = x.new_empty(rows_total, fc1_width(fc1_weight)) if save_pre else None
     h = x.new_empty(rows_total, ffn)
-    row_gemm(x, fc1_weight, h, plan, transpose_weight=True, epilogue=EPI_ACT_FWD,
+    gather_gemm(x, fc1_weight, h, plan, transpose_weight=True, epilogue=EPI_ACT_FWD,
              activation=activation, gather_a=True, pre=pre, store_pre=save_pre, n=ffn)
     expert_out = expert_order_gemm(h, fc2_weight, plan, transpose_weight=True, n=hidden)
     del h
@@ -77,12 +77,12 @@ def fused_backward(grad_y, x, probs_sorted, fc1_weight, fc2_weight, plan, activa
         # A pair: each half into its own columns of pre.
         width = pre.shape[1] // len(halves)
         for i, half in enumerate(halves):
-            row_gemm(x, half, pre[:, i * width:], plan, transpose_weight=True, gather_a=True, n=width)
+            gather_gemm(x, half, pre[:, i * width:], plan, transpose_weight=True, gather_a=True, n=width)
     h_scaled = x.new_empty(rows_total, ffn)
     # The epilogue writes every used row's partials, the only ones read.
-    ds_partial = torch.empty(rows_total, row_gemm_ds_tiles(ffn), dtype=torch.float32, device=x.device)
+    ds_partial = torch.empty(rows_total, gather_gemm_ds_tiles(ffn), dtype=torch.float32, device=x.device)
     # After this launch `pre` holds d pre.
-    row_gemm(grad_y, fc2_weight, h_scaled, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
+    gather_gemm(grad_y, fc2_weight, h_scaled, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
              activation=activation, gather_a=True, pre=pre, probs_sorted=probs_sorted,
              ds_partial=ds_partial, n=ffn)
     grad_pre = pre

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import ACTIVATIONS, BACKENDS, RECOMPUTE_MODES
-from .kernels.knobs import KNOBS
+from .kernels.settings import SETTINGS
 from .reference import ReferenceMoEMLP, reference_backward, reference_forward
 from .routing import RoutingPlan, build_routing_plan, check_topk_ids
 
@@ -126,7 +126,7 @@ def check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activati
             f"backend='triton' takes float16, bfloat16 or float32 tensors, got x of {x.dtype}; "
             f"use backend='reference' (what 'auto' picks for {x.dtype})"
         )
-    if backend == "triton" and not x.is_cuda and not KNOBS.interpret:
+    if backend == "triton" and not x.is_cuda and not SETTINGS.interpret:
         raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     return num_experts
 
@@ -169,7 +169,7 @@ def start_compile_workers(backend: str = "auto") -> None:
     that their start-up (0.5-2 s: each imports Triton and the kernel modules) overlaps the rest of
     a job's setup instead of its first step. Nothing where no kernel will compile: no GPU, the reference
     backend, the interpreter, MOEBLAZE_COMPILE_WORKERS=0."""
-    if backend == "reference" or KNOBS.interpret or not torch.cuda.is_available():
+    if backend == "reference" or SETTINGS.interpret or not torch.cuda.is_available():
         return
     from .kernels import compile_workers
 

@@ -57,7 +57,7 @@ from .parallel.alltoall import prepare_send
 from .parallel.compiled_exchange import compiled_alltoall_moe
 from .parallel.compiled_ring import compiled_ring_moe
 from .parallel.ring import group_mean_tokens, layer_traffic, ring_moe
-from .parallel.volume import MODES, resolve_ep_mode
+from .parallel.traffic import MODES, resolve_ep_mode
 from .reference import ReferenceMoEMLP
 from .routing import build_routing_plan
 

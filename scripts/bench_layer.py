@@ -23,7 +23,7 @@ import os
 import sys
 
 from benchlib.accuracy import CHECK_TOKENS
-from benchlib.peers import IMPLS
+from benchlib.baselines import IMPLS
 from benchlib.shapes import CONFIGS, config_names
 
 

@@ -23,7 +23,7 @@ import sys
 import time
 
 import torch
-from benchlib.peers import MoEBlaze
+from benchlib.baselines import MoEBlaze
 from benchlib.shapes import CONFIGS, config_name, make_inputs
 
 from moeblaze_megatron.kernels import compile_workers, launch

@@ -6,7 +6,7 @@
 #   bash ../shared/tools/device-wheels.sh        # megatron-core's wheel (and the others) into .whl/
 #
 # then on the GPU machine, carrying .whl:   bash scripts/gpu_multi.sh
-# Knobs (environment): EPS (default "2 4 8"; those above the GPU count are skipped), TOTAL_S
+# Settings (environment): EPS (default "2 4 8"; those above the GPU count are skipped), TOTAL_S
 # (seconds for all runs, default 560: one 10-minute call), EP_S (seconds per run, default TOTAL_S
 # shared equally), SEARCH_S (seconds of the longest-sequence search per dispatcher, default EP_S/6;
 # 0 skips it), EXTRA (more bench_expert_parallel.py flags). A run stopped by its limit keeps, in

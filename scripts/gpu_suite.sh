@@ -103,12 +103,12 @@ step ring "${RING_S:-420}" 80 python3 scripts/bench_ring_hop.py --out "$out"
 # shellcheck disable=SC2086  # TUNE_ARGS is a list of flags
 step tune "${TUNE_S:-200}" 40 python3 scripts/tune_kernels.py --out "$out" --time-limit $(( ${TUNE_S:-200} - 40 )) ${TUNE_ARGS:-}
 # Nsight Compute on one launch of the kernels NCU_KERNEL names (a regex, default the warp-specialized
-# row GEMM) while tune_kernels.py times NCU_OPS (dh_ws) at NCU_SHAPE (conf4): warp states and
+# gather GEMM) while tune_kernels.py times NCU_OPS (dh_ws) at NCU_SHAPE (conf4): warp states and
 # per-instruction stall samples, kept as ncu_details.csv and ncu_source.csv (SASS) in $out. The
 # launch profiled is the one after the first NCU_SKIP (1) that match: the tuning script launches
 # references of its own first (weight_grad: dW1's, then dW2's, then the op's own).
 ncu_bin=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-step ncu "${NCU_S:-300}" 12 "${ncu_bin:-ncu}" -f -k "regex:${NCU_KERNEL:-row_gemm_ws}" -s "${NCU_SKIP:-1}" -c 1 --section SpeedOfLight \
+step ncu "${NCU_S:-300}" 12 "${ncu_bin:-ncu}" -f -k "regex:${NCU_KERNEL:-gather_gemm_ws}" -s "${NCU_SKIP:-1}" -c 1 --section SpeedOfLight \
   --section WarpStateStats --section SourceCounters --section SchedulerStats --section MemoryWorkloadAnalysis \
   --section LaunchStats -o "${TMPDIR:-/tmp}/ncu_profile" python3 scripts/tune_kernels.py --shapes "${NCU_SHAPE:-conf4}" \
   --ops "${NCU_OPS:-dh_ws}" --configs none --reps 2 --out /tmp/ncu_tune

@@ -4,7 +4,7 @@ waits: what the GPU idles on when a step starts from an idle GPU (7B-like, conf1
     python scripts/host_overhead.py 7b,conf1 [--out FILE.json]
 
 For each config: the host microseconds of a forward+backward step and of the forward alone, with
-direct launches (kernels/launch.py) and through Triton's own launch path (KNOBS.direct_launch
+direct launches (kernels/launch.py) and through Triton's own launch path (SETTINGS.direct_launch
 off, as MOEBLAZE_DIRECT_LAUNCH=0 sets it), interleaved; then of every launch site called on its
 own (the plan, each GEMM, the combine), of fc1's launch through each layer under it (Triton's
 path, a fixed config, pointer loads instead of the TMA descriptor, the compiled kernel called

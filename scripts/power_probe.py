@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchlib.peers import IMPL_CLASSES
+from benchlib.baselines import IMPL_CLASSES
 from benchlib.shapes import CONFIGS, config_names
 
 

@@ -29,7 +29,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("trace_layer.py needs a CUDA GPU")
     from benchlib.layer_bench import layer_steps
-    from benchlib.peers import MoEBlaze
+    from benchlib.baselines import MoEBlaze
     from benchlib.profiling import label_launch_sites, timeline, trace_steps
 
     label_launch_sites()

@@ -31,7 +31,7 @@ import sys
 import torch
 from benchlib.shapes import ALIASES, CONFIGS, config_name
 
-from moeblaze_megatron.kernels.row_gemm import ACTIVATION_IDS
+from moeblaze_megatron.kernels.gather_gemm import ACTIVATION_IDS
 
 
 def main(argv=None):

@@ -8,7 +8,7 @@ import os
 import torch
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when moeblaze_megatron.kernels is
-# first imported (and moeblaze_megatron.kernels.knobs reads it once, then): set it here, before any
+# first imported (and moeblaze_megatron.kernels.settings reads it once, then): set it here, before any
 # test module imports the package. Without a GPU the interpreter is the only way the kernels run;
 # with one, the real kernels are tested.
 if not torch.cuda.is_available():

@@ -235,15 +235,15 @@ def assert_plans_identical(got, want, label: str = "") -> None:
 # MoE MLP oracle and problems
 
 
-def row_gemm_layer(plan, tokens, d, h, activation, dtype, seed, config, device="cpu", fc1_config=None,
+def gather_gemm_layer(plan, tokens, d, h, activation, dtype, seed, config, device="cpu", fc1_config=None,
                    tma_rows=None):
     """fc1 with the activation, fc2, dH with the activation backward and dX through the row-GEMM
     kernel with one ``config`` (fc1 with ``fc1_config`` if given: the SwiGLU forward's tile must
     fit both halves), as the layer runs them, on fresh inputs drawn from ``seed``; every output
-    poisoned with NaN first; ``tma_rows`` as row_gemm takes it, for fc2 and dX. Returns (pre, h,
+    poisoned with NaN first; ``tma_rows`` as gather_gemm takes it, for fc2 and dX. Returns (pre, h,
     fc2 out, dh, d pre, router-gradient partials, dx), one row per plan slot."""
-    from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD, row_gemm_ds_tiles
-    from moeblaze_megatron.kernels.tuning import row_gemm_with
+    from moeblaze_megatron.kernels.gather_gemm import EPI_ACT_BWD, EPI_ACT_FWD, gather_gemm_ds_tiles
+    from moeblaze_megatron.kernels.tuning import gather_gemm_with
 
     E = plan.num_experts
     width = 2 * h if activation == "swiglu" else h
@@ -256,14 +256,14 @@ def row_gemm_layer(plan, tokens, d, h, activation, dtype, seed, config, device="
     probs = on(torch.rand(rows, generator=g))
     nan = lambda *shape: torch.full(shape, float("nan"), dtype=dtype, device=device)  # noqa: E731
     pre, hid, out2, hs, dx = nan(rows, width), nan(rows, h), nan(rows, d), nan(rows, h), nan(rows, d)
-    row_gemm_with(fc1_config or config, x, fc1, hid, plan, transpose_weight=True, epilogue=EPI_ACT_FWD,
+    gather_gemm_with(fc1_config or config, x, fc1, hid, plan, transpose_weight=True, epilogue=EPI_ACT_FWD,
                   activation=activation, pre=pre, n=h)
-    row_gemm_with(config, hid, fc2, out2, plan, transpose_weight=True, gather_a=False, n=d, tma_rows=tma_rows)
+    gather_gemm_with(config, hid, fc2, out2, plan, transpose_weight=True, gather_a=False, n=d, tma_rows=tma_rows)
     dpre = pre.clone()
-    ds = torch.full((rows, row_gemm_ds_tiles(h, config.kwargs["BLOCK_N"])), float("nan"), device=device)
-    row_gemm_with(config, dy, fc2, hs, plan, transpose_weight=False, epilogue=EPI_ACT_BWD, activation=activation,
+    ds = torch.full((rows, gather_gemm_ds_tiles(h, config.kwargs["BLOCK_N"])), float("nan"), device=device)
+    gather_gemm_with(config, dy, fc2, hs, plan, transpose_weight=False, epilogue=EPI_ACT_BWD, activation=activation,
                   pre=dpre, probs_sorted=probs, ds_partial=ds, n=h)
-    row_gemm_with(config, dpre, fc1, dx, plan, transpose_weight=False, gather_a=False, n=d, tma_rows=tma_rows)
+    gather_gemm_with(config, dpre, fc1, dx, plan, transpose_weight=False, gather_a=False, n=d, tma_rows=tma_rows)
     return pre, hid, out2, hs, dpre, ds, dx
 
 
@@ -277,10 +277,10 @@ def check_saturated_activations(device, dtype, activation, config=None, warp_spe
     float64: fc1's forward on pre-activations up to +-1000 (weights scaled up), then dH's backward
     on saved pre-activations holding every value of SATURATING_PRE. dH = dY @ fc2 has positive
     terms only (no cancellation), so every element holds to a relative bound. ``config``: one
-    tile config (row_gemm_with), else the hot path's launch with ``warp_specialize``."""
+    tile config (gather_gemm_with), else the hot path's launch with ``warp_specialize``."""
     from moeblaze_megatron import build_routing_plan
-    from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD, row_gemm_ds_tiles
-    from moeblaze_megatron.kernels.tuning import row_gemm_with
+    from moeblaze_megatron.kernels.gather_gemm import EPI_ACT_BWD, EPI_ACT_FWD, gather_gemm_ds_tiles
+    from moeblaze_megatron.kernels.tuning import gather_gemm_with
 
     # h off every tile width; d = 128 for the warp-specialized kernel (K at least two 64-wide stages).
     tokens, E, K, d, h = 24, 3, 2, 128 if warp_specialize else 64, 40
@@ -305,7 +305,7 @@ def check_saturated_activations(device, dtype, activation, config=None, warp_spe
     fc1 = on(torch.randn(E, width, d, generator=g) * (100.0 * d**-0.5))
     pre = torch.full((rows, width), float("nan"), dtype=dtype, device=device)
     hid = torch.full((rows, h), float("nan"), dtype=dtype, device=device)
-    row_gemm_with(config, x, fc1, hid, plan, transpose_weight=True, epilogue=EPI_ACT_FWD, activation=activation,
+    gather_gemm_with(config, x, fc1, hid, plan, transpose_weight=True, epilogue=EPI_ACT_FWD, activation=activation,
                   pre=pre, n=h, **extra)
     pre64 = torch.einsum("rk,rnk->rn", x.double()[src], fc1.double()[expert])
     close(pre, pre64, scale=torch.einsum("rk,rnk->rn", x.double().abs()[src], fc1.double().abs()[expert]))
@@ -321,8 +321,8 @@ def check_saturated_activations(device, dtype, activation, config=None, warp_spe
     probs = on(torch.rand(rows, generator=g))
     d_pre = saved.clone()
     c = torch.full((rows, h), float("nan"), dtype=dtype, device=device)
-    ds = torch.zeros(rows, row_gemm_ds_tiles(h), device=device)
-    row_gemm_with(config, dy, fc2, c, plan, transpose_weight=False, epilogue=EPI_ACT_BWD, activation=activation,
+    ds = torch.zeros(rows, gather_gemm_ds_tiles(h), device=device)
+    gather_gemm_with(config, dy, fc2, c, plan, transpose_weight=False, epilogue=EPI_ACT_BWD, activation=activation,
                   pre=d_pre, probs_sorted=probs, ds_partial=ds, n=h, **extra)
     dh64 = torch.einsum("rk,rkn->rn", dy.double()[src], fc2.double()[expert])
     pre64 = saved.double().requires_grad_()
@@ -351,7 +351,7 @@ def per_expert_weight_grad64(tokens: torch.Tensor, rows: torch.Tensor, plan, gat
 # ---------------------------------------------------------------------------------------------
 # Row-GEMM cases shared by the kernel tests
 
-# Awkward plans for the row GEMM's persistent launch and its TMA descriptors under the
+# Awkward plans for the gather GEMM's persistent launch and its TMA descriptors under the
 # interpreter, (kind, T, E, K): small enough for the interpreter, each with more row tiles (of
 # 16 rows) than the interpreter's 4 persistent programs.
 PERSISTENT_CASES = {

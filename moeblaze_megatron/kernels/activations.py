@@ -1,5 +1,5 @@
-"""The activations and their derivatives, as Triton functions that the row GEMM's epilogues call
-(``row_gemm_kernel``'s and, unchanged, the Gluon kernel's in ``row_gemm_ws``, so that the two give
+"""The activations and their derivatives, as Triton functions that the gather GEMM's epilogues call
+(``gather_gemm_kernel``'s and, unchanged, the Gluon kernel's in ``gather_gemm_ws``, so that the two give
 the same bits). ``ACT`` is ``configs.ACT_*``: SiLU (and SwiGLU's gate) or the exact (erf) GELU."""
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ BLOCK_D = 128
 def _combine_kernel(
     rows_ptr, token_index_map_ptr, probs_ptr, out_ptr, side_ptr, ds_ptr, T, D, n_ds, stride_rm, stride_om, stride_dsm,
     K: tl.constexpr, HAS_PROBS: tl.constexpr, SCATTER_PROBS: tl.constexpr, GATHER_DS: tl.constexpr,
-    DS_BLOCK: tl.constexpr, MEND_BF16: tl.constexpr, MEND_SIDE: tl.constexpr, BLOCK_T: tl.constexpr,
+    DS_BLOCK: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr, MEND_SIDE: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -44,7 +44,7 @@ def _combine_kernel(
         if HAS_PROBS:
             v = v * tl.load(probs_ptr + slot, mask=used, other=0.0).to(tl.float32)[:, None]
         acc += v
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_om + d[None, :], to_storage(acc, out_ptr.dtype.element_ty, MEND_BF16),
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_om + d[None, :], to_storage(acc, out_ptr.dtype.element_ty, ROUND_BF16_BY_HAND),
              mask=t_ok[:, None] & d_ok[None, :])
     if SCATTER_PROBS or GATHER_DS:
         # Once per token, by the first column of programs, after the sum and in a loop of its own:
@@ -92,7 +92,7 @@ def combine(rows: torch.Tensor, token_index_map: torch.Tensor, probs: torch.Tens
     launch(_combine_kernel, grid, args, dict(
         K=topk, HAS_PROBS=probs is not None, SCATTER_PROBS=probs_sorted is not None,
         GATHER_DS=ds_partial is not None, DS_BLOCK=next_pow2(n_ds),
-        MEND_BF16=dot_flags(out_dtype)[0], MEND_SIDE=side is not None and dot_flags(side.dtype)[0],
+        ROUND_BF16_BY_HAND=dot_flags(out_dtype)[0], MEND_SIDE=side is not None and dot_flags(side.dtype)[0],
         BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
     ))
     return out

@@ -11,7 +11,7 @@ cache, where this process's own compile of the same kernel then finds it (a cach
 ``submit`` hands requests to the workers (each one once per process); ``wait_for`` waits for a
 kernel's submitted requests before the process compiles that kernel itself. Workers start on
 first use (``start``: a Python process each, without torch, fed by a thread here) and exit after
-``IDLE_EXIT_S`` without work; ``KNOBS.compile_workers`` sets how many (0: none, every kernel
+``IDLE_EXIT_S`` without work; ``SETTINGS.compile_workers`` sets how many (0: none, every kernel
 compiles in the process as Triton does). A worker that fails costs only its speed-up: the process
 compiles what the workers did not, and reports compile errors itself.
 """
@@ -30,7 +30,7 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
-from .knobs import KNOBS
+from .settings import SETTINGS
 
 # A worker's reader thread closes its process after this long without a request.
 IDLE_EXIT_S = 120.0
@@ -49,7 +49,7 @@ _idle_tasks: list = []  # run by the next wait on unfinished compiles (``run_whi
 def enabled() -> bool:
     """Whether compiles go to worker processes: compiled kernels (not the interpreter), at least
     one worker asked for, and none of them found broken."""
-    return not KNOBS.interpret and KNOBS.compile_workers > 0 and _pool().broken is None
+    return not SETTINGS.interpret and SETTINGS.compile_workers > 0 and _pool().broken is None
 
 
 @contextlib.contextmanager
@@ -257,7 +257,7 @@ serve_stdio()
 def _pool() -> _Pool:
     global _the_pool
     if _the_pool is None:
-        _the_pool = _Pool(KNOBS.compile_workers)
+        _the_pool = _Pool(SETTINGS.compile_workers)
     return _the_pool
 
 
@@ -348,7 +348,7 @@ def serve_stdio() -> None:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    for name in ("row_gemm", "weight_grad", "combine", "plan_three_step", "plan_sort"):
+    for name in ("gather_gemm", "weight_grad", "combine", "plan_three_step", "plan_sort"):
         with contextlib.suppress(Exception):
             importlib.import_module(f"{__package__}.{name}")
     replies.write(json.dumps({"ready": True}) + "\n")

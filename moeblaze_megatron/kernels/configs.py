@@ -2,7 +2,7 @@
 
 The config lists are the measured winners on the H200 (benchmarks/NOTES.md has the measurements
 behind each choice); under the interpreter one small tile, with ``MOEBLAZE_AUTOTUNE=0`` one
-general tile per kernel. ``KNOBS`` is read when the lists are built (at import) and when they are
+general tile per kernel. ``SETTINGS`` is read when the lists are built (at import) and when they are
 pruned (each new shape).
 """
 
@@ -14,11 +14,11 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .knobs import KNOBS
+from .settings import SETTINGS
 from .launch import box_hook, gpu_of
 
 EPI_STORE, EPI_ACT_FWD, EPI_ACT_BWD = 0, 1, 2
-# The fused epilogues by the names MOEBLAZE_WARP_SPECIALIZE takes (knobs.WARP_SPECIALIZE_CHOICES).
+# The fused epilogues by the names MOEBLAZE_WARP_SPECIALIZE takes (settings.WARP_SPECIALIZE_CHOICES).
 WS_EPILOGUES = {EPI_ACT_FWD: "fwd", EPI_ACT_BWD: "bwd"}
 ACT_SWIGLU, ACT_SILU, ACT_GELU = 0, 1, 2
 ACTIVATION_IDS = {"swiglu": ACT_SWIGLU, "silu": ACT_SILU, "gelu": ACT_GELU}
@@ -38,7 +38,7 @@ TMA_ROWS_MIN_FLOPS = 2**37
 
 
 @box_hook
-def set_row_gemm_boxes(nargs):
+def set_gather_gemm_boxes(nargs):
     """Config pre-hook: each descriptor's box is the config's tile of its operand: the weight's
     (each half's, for a weight in two tensors), and, for rows in expert order (ragged, led by
     [1, 1]), A's [BLOCK_M, BLOCK_K] and C's [BLOCK_M, BLOCK_N]."""
@@ -52,20 +52,20 @@ def set_row_gemm_boxes(nargs):
         nargs["c_ptr"].block_shape = [1, 1, bm, bn]
 
 
-def row_gemm_configs():
-    """The row GEMM's configs, each sizing its TMA boxes through ``set_row_gemm_boxes``."""
-    configs = _row_gemm_tiles()
+def gather_gemm_configs():
+    """The gather GEMM's configs, each sizing its TMA boxes through ``set_gather_gemm_boxes``."""
+    configs = _gather_gemm_tiles()
     for config in configs:
-        config.pre_hook = set_row_gemm_boxes
+        config.pre_hook = set_gather_gemm_boxes
     return configs
 
 
-def _row_gemm_tiles():
-    if KNOBS.interpret:
+def _gather_gemm_tiles():
+    if SETTINGS.interpret:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4)]
-    if not KNOBS.autotune:
+    if not SETTINGS.autotune:
         # BLOCK_K 32: four stages fit shared memory in float32 too. The first serves every
-        # epilogue but the SwiGLU forward, which takes the second (see prune_row_gemm).
+        # epilogue but the SwiGLU forward, which takes the second (see prune_gather_gemm).
         return [
             triton.Config({"BLOCK_M": 128, "BLOCK_N": n, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=8, num_stages=4)
             for n in (ACT_BWD_BLOCK_N, 128)
@@ -108,7 +108,7 @@ def _narrow(config) -> bool:
     return min(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]) < 128
 
 
-def prune_row_gemm(configs, named_args, **kwargs):
+def prune_gather_gemm(configs, named_args, **kwargs):
     """The configs worth timing for one launch (Triton passes the constexprs in kwargs)."""
     args = {**named_args, **kwargs}
     if args.get("TMA_ROWS"):
@@ -131,7 +131,7 @@ def prune_row_gemm(configs, named_args, **kwargs):
             keep = [c for c in keep if c.kwargs.get("PERSISTENT")][:1] or keep
     else:
         keep = configs
-    if not KNOBS.autotune:
+    if not SETTINGS.autotune:
         keep = keep[:1]
     return keep or configs[-1:]
 
@@ -146,9 +146,9 @@ def set_tma_box(nargs):
 
 def weight_grad_configs():
     """The weight gradient's configs, each sizing its TMA box through ``set_tma_box``."""
-    if KNOBS.interpret:
+    if SETTINGS.interpret:
         configs = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4)]
-    elif not KNOBS.autotune:
+    elif not SETTINGS.autotune:
         configs = [triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8, num_stages=5)]
     else:
         # The row ids are loaded inside the loop and take pipeline stages of their own: s stages

@@ -13,7 +13,7 @@ The signature is everything Triton specializes a compiled kernel on, and more: e
 dtype and 16-byte alignment, each integer by value, each TMA descriptor's dtype, alignment, shape,
 strides and box, and the constexprs. Launches take Triton's path under the interpreter, while
 Triton launch hooks are set (a profiler's, which the direct call would skip) and with
-MOEBLAZE_DIRECT_LAUNCH=0 (``KNOBS.direct_launch``).
+MOEBLAZE_DIRECT_LAUNCH=0 (``SETTINGS.direct_launch``).
 
 A launcher that benchmarks also run with one fixed config builds a ``KernelCall`` (kernel, grid,
 arguments, constexprs) and hands it to ``launch_call``; ``tuning.run_with_config`` runs the same
@@ -42,7 +42,7 @@ from triton.runtime.autotuner import Autotuner
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import compile_workers
-from .knobs import KNOBS
+from .settings import SETTINGS
 
 # Signatures past this count start a fresh cache (shapes that change every step, as token counts
 # under expert parallelism can, would otherwise grow it without bound).
@@ -270,7 +270,7 @@ def launch(kernel, grid, args, constexprs):
     if rec is not None:
         rec.calls.append(KernelCall(kernel, grid, args, constexprs))
         return
-    if KNOBS.interpret or not KNOBS.direct_launch or _hooks_set():
+    if SETTINGS.interpret or not SETTINGS.direct_launch or _hooks_set():
         _through_triton(*_one_config(kernel, args, constexprs), grid, args)
         return
     device = torch.cuda.current_device()

@@ -16,18 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .knobs import KNOBS
+from .settings import SETTINGS
 
 
 def dot_flags(dtype: torch.dtype):
-    """(MEND_BF16, PRECISION) constexprs for a kernel whose operands have ``dtype``."""
-    mend = KNOBS.interpret and dtype == torch.bfloat16
+    """(ROUND_BF16_BY_HAND, PRECISION) constexprs for a kernel whose operands have ``dtype``."""
+    mend = SETTINGS.interpret and dtype == torch.bfloat16
     # float32 operands honour torch's TF32 switch, as torch.matmul does; 16-bit ones ignore it.
     precision = "tf32" if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
     return mend, precision
 
 
-INTERPRETED = tl.constexpr(KNOBS.interpret)
+INTERPRETED = tl.constexpr(SETTINGS.interpret)
 
 
 @triton.jit
@@ -39,9 +39,9 @@ def dot(a, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def to_storage(x, dtype: tl.constexpr, MEND_BF16: tl.constexpr):
+def to_storage(x, dtype: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr):
     """float32 -> the storage dtype, rounding to nearest even."""
-    if MEND_BF16:
+    if ROUND_BF16_BY_HAND:
         bits = x.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         return bits.to(tl.float32, bitcast=True).to(dtype)

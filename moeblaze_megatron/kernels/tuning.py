@@ -1,6 +1,6 @@
 """Tuning and test aids: a launch with one fixed tile config, and the autotuner's picks.
 
-The hot-path launchers (``row_gemm``, ``weight_grad``) always launch through the autotuner;
+The hot-path launchers (``gather_gemm``, ``weight_grad``) always launch through the autotuner;
 ``scripts/tune_kernels.py`` and the tests that pin a config (persistent, TMA, tile edges) build
 the same ``KernelCall`` and run it here with the config of their choice.
 """
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from .configs import config_label
 from .launch import KernelCall, launch_call
-from .row_gemm import row_gemm_call, row_gemm_kernel
+from .gather_gemm import gather_gemm_call, gather_gemm_kernel
 from .weight_grad import weight_grad_call, weight_grad_kernel
 
-__all__ = ["autotune_picks", "row_gemm_with", "run_with_config", "weight_grad_with"]
+__all__ = ["autotune_picks", "gather_gemm_with", "run_with_config", "weight_grad_with"]
 
 
 def run_with_config(call: KernelCall, config=None) -> None:
@@ -30,12 +30,12 @@ def run_with_config(call: KernelCall, config=None) -> None:
     kernel.fn[grid](*args, **constexprs, **config.all_kwargs())
 
 
-def row_gemm_with(config, *args, **kwargs) -> None:
-    """``row_gemm(*args, **kwargs)`` with one fixed config of the Triton kernel (``config=None``: as
+def gather_gemm_with(config, *args, **kwargs) -> None:
+    """``gather_gemm(*args, **kwargs)`` with one fixed config of the Triton kernel (``config=None``: as
     the hot path launches it, the warp-specialized kernel included)."""
     if config is not None:
         kwargs = {"warp_specialize": False, **kwargs}
-    run_with_config(row_gemm_call(*args, **kwargs), config)
+    run_with_config(gather_gemm_call(*args, **kwargs), config)
 
 
 def weight_grad_with(config, *args, **kwargs) -> None:
@@ -47,4 +47,4 @@ def autotune_picks() -> dict[str, str]:
     """The config the autotuner chose for every shape key tuned so far in this process, by
     ``kernel(key)``: which tiles a benchmark actually ran."""
     return {f"{kernel.base_fn.__name__}{key}": config_label(config)
-            for kernel in (row_gemm_kernel, weight_grad_kernel) for key, config in kernel.cache.items()}
+            for kernel in (gather_gemm_kernel, weight_grad_kernel) for key, config in kernel.cache.items()}

@@ -34,7 +34,7 @@ def weight_grad_kernel(
     rows_bucket, M, N, E,
     stride_am, stride_bm, stride_ce, stride_cm,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TMA: tl.constexpr, OFFS_64: tl.constexpr,
-    MEND_BF16: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROUND_BF16_BY_HAND: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """c[e, m, n] = sum over rows r of expert e of A[srcA(r), m] * B[srcB(r), n].
@@ -78,7 +78,7 @@ def weight_grad_kernel(
                         other=0.0)
         acc = dot(a, b, acc, PRECISION)
     c_ptrs = c_ptr + e.to(tl.int64) * stride_ce + ms[:, None].to(tl.int64) * stride_cm + ns[None, :]
-    tl.store(c_ptrs, to_storage(acc, c_ptr.dtype.element_ty, MEND_BF16), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(c_ptrs, to_storage(acc, c_ptr.dtype.element_ty, ROUND_BF16_BY_HAND), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def grouped_weight_grads_apply(x, ffn: int) -> bool:
@@ -152,5 +152,5 @@ def weight_grad_call(a, b, out, plan, *, gather_a, gather_b, tma=None) -> Kernel
         next_pow2(rows_total), m_dim, n_dim, num_experts, *strides,
     )
     constexprs = dict(GATHER_A=gather_a, GATHER_B=gather_b, TMA=tma, OFFS_64=offs_64,
-                      MEND_BF16=mend, PRECISION=precision)
+                      ROUND_BF16_BY_HAND=mend, PRECISION=precision)
     return KernelCall(weight_grad_kernel, grid, args, constexprs)

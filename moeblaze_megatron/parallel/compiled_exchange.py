@@ -25,7 +25,7 @@ from ..compiled_op import checked_expert_mlp
 from ..moe_mlp import check_split_moe_mlp_args
 from ..reference import sum_slots
 from .alltoall import _all_to_all, plan_token_exchange
-from .volume import MODES
+from .traffic import MODES
 
 __all__ = ["check_same_choice", "compiled_alltoall_moe"]
 
@@ -40,7 +40,7 @@ def compiled_alltoall_moe(x, topk_ids, topk_probs, w1, w3, w2, group, *, activat
     ``w3`` [E_local, F, d] (``w3`` None: ``w1`` is the whole fc1) and ``w2`` [E_local, d, F]) as ops
     that torch.compile keeps whole. Each token goes once to each rank holding one of its experts;
     the partial outputs come back and are summed per token in rank order. ``chosen``: this mode's
-    index in ``volume.MODES`` where each rank chose it alone (``check_same_choice``), else -1."""
+    index in ``traffic.MODES`` where each rank chose it alone (``check_same_choice``), else -1."""
     ranks = dist.get_world_size(group)
     _check_args(x, topk_ids, topk_probs, w1, w3, w2, ranks, activation, recompute, backend)
     name = group.group_name

@@ -17,7 +17,7 @@ tokens travel:
   the blocks travel again with their output gradient; the input and probability gradients travel
   home the same way; each rank sums its weight gradients over the blocks in hop order.
 
-``mode="auto"`` runs the ring that sends fewer bytes per training step (``parallel.volume``), from
+``mode="auto"`` runs the ring that sends fewer bytes per training step (``parallel.traffic``), from
 the group's token counts, gathered first, so every rank makes the same choice.
 
 Every sum runs in a fixed order, so results are bitwise the same run to run; the sums that travel
@@ -36,7 +36,7 @@ from ..config import RING_CHOICES, RING_MODES
 from ..moe_mlp import expert_mlp_backward, expert_mlp_forward
 from ..reference import compute_dtype
 from ..routing import build_routing_plan
-from .volume import LayerTraffic, choose_mode
+from .traffic import LayerTraffic, choose_mode
 
 __all__ = ["check_ring_args", "group_mean_tokens", "hop_backward", "hop_forward", "layer_traffic", "ring_backward",
            "ring_forward", "ring_moe", "shard_row_counts"]
@@ -59,7 +59,7 @@ def group_mean_tokens(num_tokens: int, group, device) -> float:
 
 
 def layer_traffic(tokens: float, x, topk_probs, weights, ranks: int) -> LayerTraffic:
-    """The layer's shapes for ``parallel.volume``: ``tokens`` per rank, the rest from the tensors;
+    """The layer's shapes for ``parallel.traffic``: ``tokens`` per rank, the rest from the tensors;
     ``weights``: this rank's expert weights (fc1 and fc2, or any split of them), expert-major."""
     return LayerTraffic(tokens=tokens, hidden=x.shape[-1], topk=topk_probs.shape[-1],
                         experts_per_rank=weights[0].shape[0], ranks=ranks,

@@ -3,7 +3,7 @@ and calls in here. ``python scripts/x.py`` puts scripts/ on sys.path, so ``impor
 works with no path edits; the package itself comes from ``pip install -e .`` (or PYTHONPATH).
 
 shapes               the layer shapes (CONFIGS, ALIASES), one layer's random inputs, FLOPs, memory floor
-peers                every implementation of one MoE layer (moeblaze and its peers), IMPL_CLASSES
+baselines            every implementation of one MoE layer (moeblaze and its peers), IMPL_CLASSES
 accuracy             rel_err, one implementation against the float64 reference
 timing               clocks: CUDA events (idle or queued behind a spin), host time, dense matmul rate
 layer_bench          one layer's times and memory per implementation, the bench_layer run

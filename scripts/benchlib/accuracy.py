@@ -9,7 +9,7 @@ import torch
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.reference import ReferenceMoEMLP
 
-from .peers import map_grads
+from .baselines import map_grads
 from .shapes import make_inputs
 
 CHECK_TOKENS = 2048  # tokens of bench_layer's float64 check (the full shape's d, h, K)

@@ -7,7 +7,7 @@ import torch
 
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels.combine import combine
-from moeblaze_megatron.kernels.row_gemm import row_gemm_ds_tiles
+from moeblaze_megatron.kernels.gather_gemm import gather_gemm_ds_tiles
 
 from .shapes import CONFIGS, config_name, make_inputs
 from .timing import cuda_time
@@ -28,7 +28,7 @@ def combine_times(cfg, device):
     plan = build_routing_plan(ids, E)
     rows = torch.randn(T * K, d, device=device, dtype=torch.bfloat16)
     probs_sorted = probs.new_empty(T * K)
-    ds = torch.randn(T * K, row_gemm_ds_tiles(h), device=device)
+    ds = torch.randn(T * K, gather_gemm_ds_tiles(h), device=device)
     grad_probs = torch.empty(T, K, device=device, dtype=probs.dtype)
     tim = plan.token_index_map
     return {

@@ -26,10 +26,10 @@ from triton.backends.compiler import GPUTarget
 
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels import configs as cf
-from moeblaze_megatron.kernels import row_gemm as rg
-from moeblaze_megatron.kernels import row_gemm_ws as ws
+from moeblaze_megatron.kernels import gather_gemm as rg
+from moeblaze_megatron.kernels import gather_gemm_ws as ws
 from moeblaze_megatron.kernels import weight_grad as wg
-from moeblaze_megatron.kernels.knobs import KNOBS
+from moeblaze_megatron.kernels.settings import SETTINGS
 
 from .profiling import compile_times
 
@@ -66,13 +66,13 @@ def offline_target(target=TARGET):
 
     # The driver as it was, unset included (reset_active would build the default, which fails
     # where no GPU is).
-    saved = (KNOBS.interpret, driver._active)
+    saved = (SETTINGS.interpret, driver._active)
     driver.set_active(OfflineDriver())
-    KNOBS.interpret = False
+    SETTINGS.interpret = False
     try:
         yield
     finally:
-        KNOBS.interpret, driver._active = saved
+        SETTINGS.interpret, driver._active = saved
 
 
 def layer_launches(T, d, h, E, K, dtype=torch.bfloat16, seed=0):
@@ -86,13 +86,13 @@ def layer_launches(T, d, h, E, K, dtype=torch.bfloat16, seed=0):
     fc1 = empty(E, 2 * h, d)
     pre, hid, rows_d, grad_pre = empty(rows, 2 * h), empty(rows, h), empty(rows, d), empty(rows, 2 * h)
     probs = empty(rows)
-    ds = torch.empty(rows, rg.row_gemm_ds_tiles(h))
+    ds = torch.empty(rows, rg.gather_gemm_ds_tiles(h))
     fwd = dict(transpose_weight=True, epilogue=rg.EPI_ACT_FWD, activation="swiglu", pre=pre, n=h)
     return {
-        "fc1_act": rg.row_gemm_call(x, fc1, hid, plan, warp_specialize=False, **fwd),
-        "fc1_act_halves": rg.row_gemm_call(x, (w1, w3), hid, plan, warp_specialize=False, **fwd),
-        "fc2": rg.row_gemm_call(hid, fc2, rows_d, plan, transpose_weight=True, gather_a=False, n=d),
-        "dh_act_bwd": rg.row_gemm_call(x, fc2, hid, plan, transpose_weight=False, epilogue=rg.EPI_ACT_BWD,
+        "fc1_act": rg.gather_gemm_call(x, fc1, hid, plan, warp_specialize=False, **fwd),
+        "fc1_act_halves": rg.gather_gemm_call(x, (w1, w3), hid, plan, warp_specialize=False, **fwd),
+        "fc2": rg.gather_gemm_call(hid, fc2, rows_d, plan, transpose_weight=True, gather_a=False, n=d),
+        "dh_act_bwd": rg.gather_gemm_call(x, fc2, hid, plan, transpose_weight=False, epilogue=rg.EPI_ACT_BWD,
                                        activation="swiglu", pre=pre, probs_sorted=probs, ds_partial=ds, n=h,
                                        warp_specialize=False),
         # The fused epilogues in the warp-specialized Gluon kernel (what a Hopper GPU runs).
@@ -102,9 +102,9 @@ def layer_launches(T, d, h, E, K, dtype=torch.bfloat16, seed=0):
                                         pre=pre, n=h, sm_count=132),
         "dh_act_bwd_ws": ws.ws_call(x, fc2, hid, plan, epilogue=rg.EPI_ACT_BWD, act_id=rg.ACT_SWIGLU, glu=True, pre=pre,
                                     probs_sorted=probs, ds_partial=ds, n=h, sm_count=132),
-        "fc1_recompute": rg.row_gemm_call(x, fc1, pre, plan, transpose_weight=True, n=2 * h),
-        "dx": rg.row_gemm_call(grad_pre, fc1, rows_d, plan, transpose_weight=False, gather_a=False, n=d),
-        "dx_halves": rg.row_gemm_call(grad_pre, (w1, w3), rows_d, plan, transpose_weight=False, gather_a=False, n=d),
+        "fc1_recompute": rg.gather_gemm_call(x, fc1, pre, plan, transpose_weight=True, n=2 * h),
+        "dx": rg.gather_gemm_call(grad_pre, fc1, rows_d, plan, transpose_weight=False, gather_a=False, n=d),
+        "dx_halves": rg.gather_gemm_call(grad_pre, (w1, w3), rows_d, plan, transpose_weight=False, gather_a=False, n=d),
         "dw1": wg.weight_grad_call(grad_pre, x, empty(E, 2 * h, d), plan, gather_a=False, gather_b=True),
         "dw2": wg.weight_grad_call(x, hid, empty(E, d, h), plan, gather_a=True, gather_b=False),
     }
@@ -171,7 +171,7 @@ def compile_variant(call, config, arch="sm_90a") -> dict:
 
 def compile_layer(shape, launches=None, configs_per_launch=None, progress=print) -> list[dict]:
     """Every variant of the named launches (all by default) at ``shape`` = (T, d, h, E, K)."""
-    if KNOBS.interpret:
+    if SETTINGS.interpret:
         raise RuntimeError("compile_report: the kernels were imported under TRITON_INTERPRET=1, which runs them in "
                            "the interpreter and compiles nothing; run it without TRITON_INTERPRET")
     records = []

@@ -23,7 +23,7 @@ forward or backward, on top of what it keeps). The formulas follow the code, buf
   two float32 gradient accumulators; or a token block and its float32 accumulators), the float32
   output / input-gradient accumulator, and the fused op's buffers over one hop's slots.
 
-Counts are expectations under uniform routing (``parallel.volume.received_rows``) unless measured
+Counts are expectations under uniform routing (``parallel.traffic.received_rows``) unless measured
 ones are given (``Counts``). The fused op's buffers (``op_transient``) are the Triton path's
 (fused.py); the plan build's scratch is left out. Per hop, compute against transfer: the ring
 overlaps its transfers when a hop's compute takes at least its transfer (``hop_times``).
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeblaze_megatron.parallel.volume import LayerTraffic, hop_bytes, received_rows
+from moeblaze_megatron.parallel.traffic import LayerTraffic, hop_bytes, received_rows
 
 INDEX_BYTES = 4  # int32 ids and plan maps
 LONG_BYTES = 8  # int64 permutation and exchange maps

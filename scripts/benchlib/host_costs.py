@@ -18,16 +18,16 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels.combine import combine
-from moeblaze_megatron.kernels.knobs import KNOBS
+from moeblaze_megatron.kernels.settings import SETTINGS
 from moeblaze_megatron.kernels.launch import launch_call
 from moeblaze_megatron.kernels.plan_three_step import plan_tensors, three_step_routing_plan
-from moeblaze_megatron.kernels.row_gemm import EPI_ACT_FWD, expert_order_gemm, row_gemm, row_gemm_call, row_gemm_kernel
-from moeblaze_megatron.kernels.row_gemm_ws import on_hopper
-from moeblaze_megatron.kernels.tuning import row_gemm_with
+from moeblaze_megatron.kernels.gather_gemm import EPI_ACT_FWD, expert_order_gemm, gather_gemm, gather_gemm_call, gather_gemm_kernel
+from moeblaze_megatron.kernels.gather_gemm_ws import on_hopper
+from moeblaze_megatron.kernels.tuning import gather_gemm_with
 from moeblaze_megatron.kernels.weight_grad import weight_grad
 from moeblaze_megatron.moe_mlp import check_moe_mlp_args
 
-from .peers import MoEBlaze
+from .baselines import MoEBlaze
 from .profiling import cprofile_rows
 from .shapes import CONFIGS, make_inputs
 from .timing import host_us
@@ -60,12 +60,12 @@ def host_ab(fn, reps):
                 torch.cuda.synchronize()
                 torch.cuda._sleep(200_000_000)
             for times, forced in ((direct, False), (triton_path, True)):
-                KNOBS.direct_launch = not forced
+                SETTINGS.direct_launch = not forced
                 t0 = time.perf_counter()
                 fn()
                 times.append(1e6 * (time.perf_counter() - t0))
     finally:
-        KNOBS.direct_launch = True
+        SETTINGS.direct_launch = True
     torch.cuda.synchronize()
     return statistics.median(direct), statistics.median(triton_path)
 
@@ -136,7 +136,7 @@ TIMELINE_MARKS = (
     ("moeblaze_megatron.kernels.plan_three_step", "three_step_routing_plan"),
     ("moeblaze_megatron.fused", "TritonMoEMLP.forward"), ("moeblaze_megatron.fused", "TritonMoEMLP.backward"),
     ("moeblaze_megatron.fused", "prefetch_layer_kernels"), ("moeblaze_megatron.fused", "fused_forward"),
-    ("moeblaze_megatron.fused", "fused_backward"), ("moeblaze_megatron.kernels.row_gemm", "row_gemm_call"),
+    ("moeblaze_megatron.fused", "fused_backward"), ("moeblaze_megatron.kernels.gather_gemm", "gather_gemm_call"),
     ("moeblaze_megatron.kernels.combine", "combine"), ("moeblaze_megatron.kernels.launch", "launch"),
 )
 
@@ -258,31 +258,31 @@ def site_costs(cfg, activation="swiglu"):
                       store_pre=True, n=h, warp_specialize=False)
 
     def fc1_launch(**kw):
-        row_gemm(*fc1_args, **{**fc1_kwargs, **kw})
+        gather_gemm(*fc1_args, **{**fc1_kwargs, **kw})
 
     fc1_launch()
-    out["fc1 row_gemm"] = host_us(fc1_launch)
+    out["fc1 gather_gemm"] = host_us(fc1_launch)
     if on_hopper(torch.cuda.get_device_capability()):
         fc1_launch(warp_specialize=True)
-        out["fc1 row_gemm, warp-specialized"] = host_us(lambda: fc1_launch(warp_specialize=True))
-    KNOBS.direct_launch = False
+        out["fc1 gather_gemm, warp-specialized"] = host_us(lambda: fc1_launch(warp_specialize=True))
+    SETTINGS.direct_launch = False
     try:
-        out["fc1 row_gemm, Triton launch"] = host_us(fc1_launch)
-        out["fc1 row_gemm, Triton, pointer weight"] = host_us(lambda: fc1_launch(tma_weight=False))
+        out["fc1 gather_gemm, Triton launch"] = host_us(fc1_launch)
+        out["fc1 gather_gemm, Triton, pointer weight"] = host_us(lambda: fc1_launch(tma_weight=False))
     finally:
-        KNOBS.direct_launch = True
-    best = row_gemm_kernel.best_config
-    out["fc1 row_gemm (fixed config)"] = host_us(lambda: row_gemm_with(best, *fc1_args, **fc1_kwargs))
-    out["fc1 row_gemm, pointer weight"] = host_us(lambda: fc1_launch(tma_weight=False))
+        SETTINGS.direct_launch = True
+    best = gather_gemm_kernel.best_config
+    out["fc1 gather_gemm (fixed config)"] = host_us(lambda: gather_gemm_with(best, *fc1_args, **fc1_kwargs))
+    out["fc1 gather_gemm, pointer weight"] = host_us(lambda: fc1_launch(tma_weight=False))
     # The launch in two halves: building its arguments, then launching the built call.
     for label, kw in (("", {}), (", pointer weight", dict(tma_weight=False))):
-        out[f"fc1 row_gemm_call (arguments){label}"] = host_us(lambda: row_gemm_call(*fc1_args, **fc1_kwargs, **kw))
-        built = row_gemm_call(*fc1_args, **fc1_kwargs, **kw)
+        out[f"fc1 gather_gemm_call (arguments){label}"] = host_us(lambda: gather_gemm_call(*fc1_args, **fc1_kwargs, **kw))
+        built = gather_gemm_call(*fc1_args, **fc1_kwargs, **kw)
         launch_call(built)
         out[f"fc1 launch of the built call{label}"] = host_us(lambda: launch_call(built))
-    # The launch's arguments as row_gemm builds them.
+    # The launch's arguments as gather_gemm builds them.
     try:
-        launch = direct_launch(*row_gemm_call(*fc1_args, **fc1_kwargs, tma_weight=False))
+        launch = direct_launch(*gather_gemm_call(*fc1_args, **fc1_kwargs, tma_weight=False))
         out["fc1 compiled kernel direct"] = host_us(launch)
     except Exception as exc:  # a diagnostic: report and go on
         out["fc1 compiled kernel direct"] = f"failed: {type(exc).__name__}: {exc}"[:200]

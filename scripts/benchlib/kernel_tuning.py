@@ -15,11 +15,11 @@ import triton
 
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels.configs import config_label, sm_count
-from moeblaze_megatron.kernels.knobs import KNOBS
+from moeblaze_megatron.kernels.settings import SETTINGS
 from moeblaze_megatron.kernels.launch import launch_call
-from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD, EPI_STORE, row_gemm, row_gemm_kernel
-from moeblaze_megatron.kernels.row_gemm_ws import on_hopper, ws_call
-from moeblaze_megatron.kernels.tuning import row_gemm_with, weight_grad_with
+from moeblaze_megatron.kernels.gather_gemm import EPI_ACT_BWD, EPI_ACT_FWD, EPI_STORE, gather_gemm, gather_gemm_kernel
+from moeblaze_megatron.kernels.gather_gemm_ws import on_hopper, ws_call
+from moeblaze_megatron.kernels.tuning import gather_gemm_with, weight_grad_with
 from moeblaze_megatron.kernels.weight_grad import weight_grad, weight_grad_kernel
 
 from .accuracy import rel_err
@@ -92,16 +92,16 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
     rows = T * K
     pre = x.new_empty(rows, width)
     hid = x.new_empty(rows, h)
-    row_gemm(x, fc1, hid, plan, transpose_weight=True, epilogue=EPI_ACT_FWD, activation=activation,
+    gather_gemm(x, fc1, hid, plan, transpose_weight=True, epilogue=EPI_ACT_FWD, activation=activation,
              gather_a=True, pre=pre, n=h, warp_specialize=False)
     pre_saved = pre.clone()
     expert_out = x.new_empty(rows, d)
     probs_sorted = plan.permute_probs(probs)
     h_scaled = x.new_empty(rows, h)
-    # Wide enough for the narrowest candidate tile (the layer's is row_gemm_ds_tiles(h)).
+    # Wide enough for the narrowest candidate tile (the layer's is gather_gemm_ds_tiles(h)).
     ds = torch.zeros(rows, triton.cdiv(h, min(c[1] for c in ROW_CONFIGS)), dtype=torch.float32, device=dev)
     dpre = pre.clone()
-    row_gemm(dy, fc2, h_scaled, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
+    gather_gemm(dy, fc2, h_scaled, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
              activation=activation, gather_a=True, pre=dpre, probs_sorted=probs_sorted, ds_partial=ds, n=h,
              warp_specialize=False)
     fc1_ref, dh_ref = (hid.clone(), pre_saved), (h_scaled.clone(), dpre, ds.sum(1))
@@ -124,7 +124,7 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
         dw2_grouped[:] = [torch._grouped_mm(x_gathered.t(), h_scaled, offs=group_ends)]
 
     def grouped_mm_rows(name, a, weight):
-        # cuBLAS/CUTLASS grouped GEMM over the rows of each expert, for the row GEMMs whose A is
+        # cuBLAS/CUTLASS grouped GEMM over the rows of each expert, for the gather GEMMs whose A is
         # already in expert order (fc2, dX): no gather is needed there.
         def launch(config):
             rows_grouped[name] = torch._grouped_mm(a, weight, offs=group_ends)
@@ -133,7 +133,7 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
     dw2 = torch.empty_like(fc2)
     pre_plain, dh_plain, h_scaled_ws = torch.empty_like(pre), torch.empty_like(h_scaled), torch.empty_like(h_scaled)
     hid_ws, pre_ws, dh_ws_plain, dh_ref_plain = (torch.empty_like(t) for t in (hid, pre, h_scaled, h_scaled))
-    row_gemm(dy, fc2, dh_ref_plain, plan, transpose_weight=False, gather_a=True, n=h)
+    gather_gemm(dy, fc2, dh_ref_plain, plan, transpose_weight=False, gather_a=True, n=h)
     grad_rows = x.new_empty(rows, d)
 
     def restore_pre():
@@ -148,8 +148,8 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
     fc2_kernel, dx_kernel = x.new_empty(rows, d), x.new_empty(rows, d)
     hid_pointer, pre_pointer, grad_rows_pointer = torch.empty_like(hid), torch.empty_like(pre), x.new_empty(rows, d)
     h_scaled_pointer, fc2_rows_pointer = torch.empty_like(h_scaled), x.new_empty(rows, d)
-    row_gemm(hid, fc2, fc2_kernel, plan, transpose_weight=True, gather_a=False, n=d)
-    row_gemm(dpre, fc1, dx_kernel, plan, transpose_weight=False, gather_a=False, n=d)
+    gather_gemm(hid, fc2, fc2_kernel, plan, transpose_weight=True, gather_a=False, n=d)
+    gather_gemm(dpre, fc1, dx_kernel, plan, transpose_weight=False, gather_a=False, n=d)
     gemm = 2.0 * rows * d * h
     gemm1 = 2.0 * rows * d * width  # fc1, dW1 and dX
     references = {"dw1_grouped_mm": (dw1_kernel,), "dw2_grouped_mm": (dw2_kernel,), "dw1_pointer": (dw1_kernel,), "dw2_pointer": (dw2_kernel,),
@@ -160,19 +160,19 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
                   "dh_ws_plain": (dh_ref_plain,)}
     return plan, references, [
         ("fc1_act", gemm1, "row_glu" if activation == "swiglu" else "row",
-         lambda c: row_gemm_with(c, x, fc1, hid, plan, transpose_weight=True, epilogue=EPI_ACT_FWD,
+         lambda c: gather_gemm_with(c, x, fc1, hid, plan, transpose_weight=True, epilogue=EPI_ACT_FWD,
                                  activation=activation, gather_a=True, pre=pre, n=h, warp_specialize=False),
          lambda: (hid, pre), nothing),
         # fc1 in the warp-specialized Gluon kernel (Hopper), checked against the Triton kernel's.
         ("fc1_ws", gemm1, "gluon",
-         lambda c: row_gemm(x, fc1, hid_ws, plan, transpose_weight=True, epilogue=EPI_ACT_FWD, activation=activation,
+         lambda c: gather_gemm(x, fc1, hid_ws, plan, transpose_weight=True, epilogue=EPI_ACT_FWD, activation=activation,
                             gather_a=True, pre=pre_ws, n=h, warp_specialize=True),
          lambda: (hid_ws, pre_ws), nothing),
         # Diagnostic: fc1 and dH without their fused epilogues (the same gathered main loops, a plain
         # store of the accumulator): the difference is what the epilogues cost, the most that
         # overlapping them with another tile's main loop can gain.
         ("fc1_plain", gemm1, "row",
-         lambda c: row_gemm_with(c, x, fc1, pre_plain, plan, transpose_weight=True, gather_a=True, n=width),
+         lambda c: gather_gemm_with(c, x, fc1, pre_plain, plan, transpose_weight=True, gather_a=True, n=width),
          lambda: (pre_plain,), nothing),
         # Diagnostic: dH's main loop in the warp-specialized kernel with a plain store for its epilogue.
         ("dh_ws_plain", gemm, "gluon",
@@ -180,19 +180,19 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
                                        n=h, sm_count=sm_count(dy.device))),
          lambda: (dh_ws_plain,), nothing),
         ("dh_plain", gemm, "row",
-         lambda c: row_gemm_with(c, dy, fc2, dh_plain, plan, transpose_weight=False, gather_a=True, n=h),
+         lambda c: gather_gemm_with(c, dy, fc2, dh_plain, plan, transpose_weight=False, gather_a=True, n=h),
          lambda: (dh_plain,), nothing),
         ("fc2", gemm, "row",
-         lambda c: row_gemm_with(c, hid, fc2, expert_out, plan, transpose_weight=True, gather_a=False, n=d),
+         lambda c: gather_gemm_with(c, hid, fc2, expert_out, plan, transpose_weight=True, gather_a=False, n=d),
          lambda: (expert_out,), nothing),
         ("dh_act_bwd", gemm, "row_act_bwd",
-         lambda c: row_gemm_with(c, dy, fc2, h_scaled, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
+         lambda c: gather_gemm_with(c, dy, fc2, h_scaled, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
                                  activation=activation, gather_a=True, pre=pre, probs_sorted=probs_sorted,
                                  ds_partial=ds, n=h, warp_specialize=False),
          lambda: (h_scaled, pre, ds.sum(1)), restore_pre),
         # dH in the warp-specialized Gluon kernel (Hopper), checked against the Triton kernel's.
         ("dh_ws", gemm, "gluon",
-         lambda c: row_gemm(dy, fc2, h_scaled_ws, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
+         lambda c: gather_gemm(dy, fc2, h_scaled_ws, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
                             activation=activation, gather_a=True, pre=pre, probs_sorted=probs_sorted,
                             ds_partial=ds, n=h, warp_specialize=True),
          lambda: (h_scaled_ws, pre, ds.sum(1)), restore_pre),
@@ -219,31 +219,31 @@ def layer_ops(T, d, h, E, K, seed, dev="cuda", activation="swiglu"):
          lambda c: weight_grad_with(c, dy, h_scaled, dw2_pointer, plan, gather_a=True, gather_b=False, tma=False),
          lambda: (dw2_pointer,), nothing),
         ("dx", gemm1, "row",
-         lambda c: row_gemm_with(c, dpre, fc1, grad_rows, plan, transpose_weight=False, gather_a=False, n=d),
+         lambda c: gather_gemm_with(c, dpre, fc1, grad_rows, plan, transpose_weight=False, gather_a=False, n=d),
          lambda: (grad_rows,), nothing),
-        # Diagnostic: the row GEMMs with the weight through pointer loads (bitwise the TMA form's
+        # Diagnostic: the gather GEMMs with the weight through pointer loads (bitwise the TMA form's
         # result); the difference is what the descriptor buys.
         ("fc1_act_pointer", gemm1, "row_glu" if activation == "swiglu" else "row",
-         lambda c: row_gemm_with(c, x, fc1, hid_pointer, plan, transpose_weight=True, epilogue=EPI_ACT_FWD,
+         lambda c: gather_gemm_with(c, x, fc1, hid_pointer, plan, transpose_weight=True, epilogue=EPI_ACT_FWD,
                                  activation=activation, gather_a=True, pre=pre_pointer, n=h, tma_weight=False),
          lambda: (hid_pointer, pre_pointer), nothing),
         ("dh_act_bwd_pointer", gemm, "row_act_bwd",
-         lambda c: row_gemm_with(c, dy, fc2, h_scaled_pointer, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
+         lambda c: gather_gemm_with(c, dy, fc2, h_scaled_pointer, plan, transpose_weight=False, epilogue=EPI_ACT_BWD,
                                  activation=activation, gather_a=True, pre=pre, probs_sorted=probs_sorted,
                                  ds_partial=ds, n=h, tma_weight=False),
          lambda: (h_scaled_pointer, pre, ds.sum(1)), restore_pre),
         ("dx_pointer", gemm1, "row",
-         lambda c: row_gemm_with(c, dpre, fc1, grad_rows_pointer, plan, transpose_weight=False, gather_a=False, n=d,
+         lambda c: gather_gemm_with(c, dpre, fc1, grad_rows_pointer, plan, transpose_weight=False, gather_a=False, n=d,
                                  tma_weight=False),
          lambda: (grad_rows_pointer,), nothing),
         # Diagnostic: fc2's and dX's rows in expert order (A and the output) through pointers
         # instead of ragged TMA descriptors (bitwise the same result).
         ("fc2_rows_pointer", gemm, "row",
-         lambda c: row_gemm_with(c, hid, fc2, fc2_rows_pointer, plan, transpose_weight=True, gather_a=False, n=d,
+         lambda c: gather_gemm_with(c, hid, fc2, fc2_rows_pointer, plan, transpose_weight=True, gather_a=False, n=d,
                                  tma_rows=False),
          lambda: (fc2_rows_pointer,), nothing),
         ("dx_rows_pointer", gemm1, "row",
-         lambda c: row_gemm_with(c, dpre, fc1, grad_rows_pointer, plan, transpose_weight=False, gather_a=False, n=d,
+         lambda c: gather_gemm_with(c, dpre, fc1, grad_rows_pointer, plan, transpose_weight=False, gather_a=False, n=d,
                                  tma_rows=False),
          lambda: (grad_rows_pointer,), nothing),
         # Diagnostic: fc2 and dX as torch._grouped_mm, checked against the kernel's.
@@ -363,12 +363,12 @@ def tune(shapes, ops_wanted, activation, reps, config_filters, time_limit, out=N
                 # Once more through Triton's launch path: the autotuner's best_config then names this
                 # launch's config (a direct launch leaves it at whichever ran through Triton last).
                 reset()
-                KNOBS.direct_launch = False
+                SETTINGS.direct_launch = False
                 try:
                     launch(None)
                 finally:
-                    KNOBS.direct_launch = True
-                picked = config_label((weight_grad_kernel if kind == "wgrad" else row_gemm_kernel).best_config)
+                    SETTINGS.direct_launch = True
+                picked = config_label((weight_grad_kernel if kind == "wgrad" else gather_gemm_kernel).best_config)
             if kind in ("torch", "gluon"):
                 candidates = []
             elif kind == "wgrad":

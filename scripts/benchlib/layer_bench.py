@@ -18,7 +18,7 @@ from moeblaze_megatron.training.audit import saved_bytes_for_backward
 from .accuracy import CHECK_TOL, check_impl
 from .layer_report import write_report
 from .nvml import PowerWindow, optional_sampler
-from .peers import IMPL_CLASSES, KNOWN_CRASHES
+from .baselines import IMPL_CLASSES, KNOWN_CRASHES
 from .profiling import compile_times, host_profile, profile_kernels, tensor_core_report
 from .shapes import CONFIGS, flops_fwdbwd, floor_bytes, make_inputs
 from .timing import cuda_time, matmul_rates

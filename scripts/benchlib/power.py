@@ -16,7 +16,7 @@ import torch
 
 from .layer_bench import layer_steps
 from .nvml import PowerWindow, Sampler, readings
-from .peers import IMPL_CLASSES
+from .baselines import IMPL_CLASSES
 from .profiling import profile_kernels
 from .shapes import CONFIGS
 from .timing import SPIN_CYCLES

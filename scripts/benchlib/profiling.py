@@ -23,7 +23,7 @@ from .timing import SPIN_CYCLES
 # (module, attribute) of every launch site of the moeblaze layer, labelled "M:<name>" in a trace.
 LAUNCH_SITES = [
     ("moeblaze_megatron.moe_mlp", "check_moe_mlp_args"), ("moeblaze_megatron.moe_mlp", "build_routing_plan"),
-    ("moeblaze_megatron.fused", "row_gemm"), ("moeblaze_megatron.fused", "expert_order_gemm"),
+    ("moeblaze_megatron.fused", "gather_gemm"), ("moeblaze_megatron.fused", "expert_order_gemm"),
     ("moeblaze_megatron.fused", "combine"), ("moeblaze_megatron.fused", "weight_grad"),
 ]
 
@@ -95,11 +95,11 @@ def tensor_core_report():
     """Which matrix instructions each compiled moeblaze kernel uses (wgmma is Hopper's fast path;
     mma.sync alone means the kernel runs on the older, slower path). The configs the autotuner
     picked are in each moeblaze record (``autotune_picks``)."""
-    from moeblaze_megatron.kernels.row_gemm import row_gemm_kernel
+    from moeblaze_megatron.kernels.gather_gemm import gather_gemm_kernel
     from moeblaze_megatron.kernels.weight_grad import weight_grad_kernel
 
     report = {}
-    for kernel in (row_gemm_kernel, weight_grad_kernel):
+    for kernel in (gather_gemm_kernel, weight_grad_kernel):
         for cache in getattr(kernel.fn, "device_caches", {}).values():
             kernels = cache[0] if isinstance(cache, tuple) else cache
             for compiled in kernels.values():

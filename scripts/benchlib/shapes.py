@@ -1,10 +1,11 @@
 """The MoE layer shapes every benchmark names, and one layer's random inputs.
 
-A shape is (T tokens, d hidden, h expert ffn hidden, E experts, K top-k). conf3 and conf4 are the
-MoEBlaze paper's published configs (T = batch * seq as DESIGN.md measured them); the paper does
-not publish conf1's T nor conf2/5/6/7 at all: those are filled from its stated ranges (d in
-{512,1024,2048}, E in {4,8,16}, k in {1,2,4}, B in {16,32}, L in {512,1024,2048}, h = 4d) and
-labelled "filled".
+A shape is (T tokens, d hidden, h expert ffn hidden, E experts, K top-k). The ``paper-*`` shapes
+are the configurations of the MoEBlaze paper's Table 1 (arXiv 2601.05296) that it publishes
+(its conf1, conf3 and conf4; T = batch * seq); the paper does not publish its conf2, conf5, conf6
+and conf7, so the ``filled-*`` shapes fill them from its stated ranges (d in {512,1024,2048}, E in
+{4,8,16}, k in {1,2,4}, B in {16,32}, L in {512,1024,2048}, h = 4d). Each name says d, E and K;
+the paper's names are accepted as aliases (``conf4``).
 """
 
 from __future__ import annotations
@@ -16,19 +17,22 @@ import math
 import torch
 
 CONFIGS = {
-    "conf1": (16 * 512, 512, 2048, 4, 1),
-    "conf2(filled)": (16 * 1024, 512, 2048, 8, 2),
-    "conf3": (16 * 1024, 1024, 4096, 16, 4),
-    "conf4": (32 * 1024, 2048, 8192, 16, 4),
-    "conf5(filled)": (32 * 1024, 1024, 4096, 8, 2),
-    "conf6(filled)": (16 * 2048, 2048, 8192, 8, 2),
-    "conf7(filled)": (32 * 2048, 512, 2048, 16, 4),
+    "paper-d512-e4-k1": (16 * 512, 512, 2048, 4, 1),
+    "filled-d512-e8-k2": (16 * 1024, 512, 2048, 8, 2),
+    "paper-d1024-e16-k4": (16 * 1024, 1024, 4096, 16, 4),
+    "paper-d2048-e16-k4": (32 * 1024, 2048, 8192, 16, 4),
+    "filled-d1024-e8-k2": (32 * 1024, 1024, 4096, 8, 2),
+    "filled-d2048-e8-k2": (16 * 2048, 2048, 8192, 8, 2),
+    "filled-d512-e16-k4": (32 * 2048, 512, 2048, 16, 4),
     "qwen3-30b-like": (32768, 2048, 768, 128, 8),
     "7b-fine-grained": (24576, 1536, 256, 128, 8),
     "dsv3-like": (8192, 7168, 2048, 256, 8),
 }
-ALIASES = {"conf2": "conf2(filled)", "conf5": "conf5(filled)", "conf6": "conf6(filled)",
-           "conf7": "conf7(filled)", "qwen3": "qwen3-30b-like", "7b": "7b-fine-grained", "dsv3": "dsv3-like"}
+# The MoEBlaze paper's names (Table 1), and short names.
+PAPER_NAMES = {"conf1": "paper-d512-e4-k1", "conf2": "filled-d512-e8-k2", "conf3": "paper-d1024-e16-k4",
+               "conf4": "paper-d2048-e16-k4", "conf5": "filled-d1024-e8-k2", "conf6": "filled-d2048-e8-k2",
+               "conf7": "filled-d512-e16-k4"}
+ALIASES = {**PAPER_NAMES, "qwen3": "qwen3-30b-like", "7b": "7b-fine-grained", "dsv3": "dsv3-like"}
 
 
 def config_name(name: str) -> str:

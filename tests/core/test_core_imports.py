@@ -9,7 +9,7 @@ import sys
 
 CORE = ["moeblaze_megatron", "moeblaze_megatron.config", "moeblaze_megatron.routing", "moeblaze_megatron.moe_mlp",
         "moeblaze_megatron.reference", "moeblaze_megatron.parallel.alltoall", "moeblaze_megatron.parallel.ring",
-        "moeblaze_megatron.parallel.volume"]
+        "moeblaze_megatron.parallel.traffic"]
 
 
 def test_core_imports_no_megatron_and_no_training_aids():

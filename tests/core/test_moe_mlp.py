@@ -21,7 +21,7 @@ from moe_testing import (
 )
 from moeblaze_megatron import build_routing_plan, moe_mlp
 from moeblaze_megatron.training.audit import saved_bytes_for_backward
-from moeblaze_megatron.kernels.knobs import KNOBS
+from moeblaze_megatron.kernels.settings import SETTINGS
 
 ACTIVATIONS = ["swiglu", "silu", "gelu"]
 RECOMPUTE = ["activation", "fc1"]
@@ -457,7 +457,7 @@ def test_bad_input_names_the_argument(backend, edit, error, pattern, generator):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors only")
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch, generator):
-    monkeypatch.setattr(KNOBS, "interpret", False)
+    monkeypatch.setattr(SETTINGS, "interpret", False)
     problem = make_moe_problem(10, 8, 4, 4, 2, "swiglu", torch.float32, generator)
     with pytest.raises(ValueError, match=r"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1"):
         call(problem, "swiglu", "triton")

@@ -17,7 +17,7 @@ from moeblaze_megatron import moe_mlp
 from moeblaze_megatron.config import RING_CHOICES, RING_MODES
 from moeblaze_megatron.parallel.alltoall import alltoall_moe
 from moeblaze_megatron.parallel.ring import ring_moe, shard_row_counts
-from moeblaze_megatron.parallel.volume import MODES, LayerTraffic, choose_mode, hop_bytes, step_bytes
+from moeblaze_megatron.parallel.traffic import MODES, LayerTraffic, choose_mode, hop_bytes, step_bytes
 from moeblaze_megatron.routing import build_routing_plan
 from moeblaze_megatron.training.audit import saved_bytes_for_backward
 

@@ -4,7 +4,7 @@ shapes past the interpreter's reach, and 64-bit indexing.
 These many small shapes would each autotune every GEMM (seconds per shape, minutes in all), so
 they run with one tile config unless MOEBLAZE_AUTOTUNE is set (=1 checks the tuned configs, as
 scripts/bench_layer.py's float64 checks do). Set at collection, before any kernel is imported:
-kernels/knobs.py reads it once, and the tile-config lists are built from it at import."""
+kernels/settings.py reads it once, and the tile-config lists are built from it at import."""
 
 import os
 
@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from moe_testing import check_saturated_activations, per_expert_weight_grad64  # noqa: E402
 from moeblaze_megatron import build_routing_plan, moe_mlp  # noqa: E402
-from moeblaze_megatron.kernels.knobs import KNOBS  # noqa: E402
+from moeblaze_megatron.kernels.settings import SETTINGS  # noqa: E402
 from moeblaze_megatron.reference import ReferenceMoEMLP  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -155,7 +155,7 @@ def test_direct_launches_match_triton_launches(dtype, act, monkeypatch):
             assert x.data_ptr() % 16 != 0
         direct = _step(x, ids, probs, fc1, fc2, gy, act)
         with monkeypatch.context() as m:
-            m.setattr(KNOBS, "direct_launch", False)  # every launch through Triton's path
+            m.setattr(SETTINGS, "direct_launch", False)  # every launch through Triton's path
             triton_path = _step(x, ids, probs, fc1, fc2, gy, act)
         for a, b in zip(direct, triton_path):
             assert torch.equal(a, b)
@@ -167,7 +167,7 @@ def test_direct_launches_with_autotuned_configs(monkeypatch):
     TMA boxes), cached launches still match Triton's launch path bitwise."""
     import triton
 
-    from moeblaze_megatron.kernels import configs, row_gemm, weight_grad
+    from moeblaze_megatron.kernels import configs, gather_gemm, weight_grad
     from moeblaze_megatron.kernels import launch as launch_mod
 
     def two(kernel, configs, hook):
@@ -176,10 +176,10 @@ def test_direct_launches_with_autotuned_configs(monkeypatch):
         monkeypatch.setattr(kernel, "configs", configs)
         monkeypatch.setattr(kernel, "cache", {})
 
-    two(row_gemm.row_gemm_kernel, [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8},
+    two(gather_gemm.gather_gemm_kernel, [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8},
                                                  num_warps=4, num_stages=3),
                                    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 4},
-                                                 num_warps=8, num_stages=3)], configs.set_row_gemm_boxes)
+                                                 num_warps=8, num_stages=3)], configs.set_gather_gemm_boxes)
     two(weight_grad.weight_grad_kernel, [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4,
                                                        num_stages=3),
                                          triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8,
@@ -189,7 +189,7 @@ def test_direct_launches_with_autotuned_configs(monkeypatch):
     for _ in range(2):
         direct = _step(x, ids, probs, fc1, fc2, gy)
         with monkeypatch.context() as m:
-            m.setattr(KNOBS, "direct_launch", False)
+            m.setattr(SETTINGS, "direct_launch", False)
             triton_path = _step(x, ids, probs, fc1, fc2, gy)
         for a, b in zip(direct, triton_path):
             assert torch.equal(a, b)
@@ -272,7 +272,7 @@ def test_weight_grad_depths_give_the_same_bits(gather_a, monkeypatch):
     from moeblaze_megatron.kernels.tuning import weight_grad_with
     from moeblaze_megatron.kernels.weight_grad import weight_grad_call
 
-    monkeypatch.setattr(KNOBS, "autotune", True)
+    monkeypatch.setattr(SETTINGS, "autotune", True)
     torch.manual_seed(5)
     T, E, K, rows_width, token_width = 8192, 16, 4, 768, 512  # 2048 rows an expert: the strict pruning
     plan = build_routing_plan(_routing(T, E, K, "random", "cuda"), E)
@@ -331,7 +331,7 @@ def test_gate_up_halves_match_the_stacked_weight(T, d, h, E, K, recompute):
 def test_activations_where_the_sigmoid_saturates(activation, dtype, warp_specialize):
     """The flush-to-zero exponential and approximate reciprocal of the epilogues' sigmoid at
     pre-activations from -1e4 to 1e4, element by element against float64, in both kernels."""
-    from moeblaze_megatron.kernels.row_gemm_ws import on_hopper
+    from moeblaze_megatron.kernels.gather_gemm_ws import on_hopper
 
     if warp_specialize and not on_hopper(torch.cuda.get_device_capability()):
         pytest.skip("the warp-specialized kernel needs a Hopper GPU")

@@ -151,9 +151,9 @@ import json, sys
 from benchlib.compile_report import layer_launches, offline_target
 from benchlib.profiling import compile_times
 from moeblaze_megatron.kernels import compile_workers, launch
-from moeblaze_megatron.kernels.knobs import KNOBS
+from moeblaze_megatron.kernels.settings import SETTINGS
 
-KNOBS.compile_workers = 2
+SETTINGS.compile_workers = 2
 out = {}
 with offline_target():
     calls = layer_launches(64, 32, 32, 4, 2)
@@ -209,9 +209,9 @@ _NO_WORKER = """
 import json, sys
 from benchlib.compile_report import layer_launches, offline_target
 from moeblaze_megatron.kernels import compile_workers, launch
-from moeblaze_megatron.kernels.knobs import KNOBS
+from moeblaze_megatron.kernels.settings import SETTINGS
 
-KNOBS.compile_workers = 2
+SETTINGS.compile_workers = 2
 sys.executable = "/nonexistent/python"  # the workers cannot start
 with offline_target():
     call = layer_launches(64, 32, 32, 4, 2)["fc2"]
@@ -279,10 +279,10 @@ def test_torch_first_backward_imports_what_the_layer_imports_while_waiting():
 _KEYS_IN_ORDER = """
 import json, sys
 from triton.runtime.jit import JITFunction
-from moeblaze_megatron.kernels import combine, plan_sort, plan_three_step, row_gemm, weight_grad
+from moeblaze_megatron.kernels import combine, plan_sort, plan_three_step, gather_gemm, weight_grad
 
 kernels = {}
-for module in (combine, plan_sort, plan_three_step, row_gemm, weight_grad):
+for module in (combine, plan_sort, plan_three_step, gather_gemm, weight_grad):
     for name, obj in vars(module).items():
         while hasattr(obj, "fn") and not isinstance(obj, JITFunction):  # an autotuner over it
             obj = obj.fn

@@ -8,19 +8,19 @@ import pytest
 import torch
 
 from moeblaze_megatron.kernels import configs as cf
-from moeblaze_megatron.kernels import row_gemm, tuning, weight_grad
-from moeblaze_megatron.kernels.knobs import KNOBS, read_knobs
+from moeblaze_megatron.kernels import gather_gemm, tuning, weight_grad
+from moeblaze_megatron.kernels.settings import SETTINGS, read_settings
 
 
 @pytest.fixture
 def gpu_lists(monkeypatch):
     # The lists a GPU builds with MOEBLAZE_AUTOTUNE unset (autotuning on).
-    monkeypatch.setattr(KNOBS, "interpret", False)
-    monkeypatch.setattr(KNOBS, "autotune", True)
+    monkeypatch.setattr(SETTINGS, "interpret", False)
+    monkeypatch.setattr(SETTINGS, "autotune", True)
 
 
 def _prune(configs, epilogue, activation):
-    return cf.prune_row_gemm(configs, {}, EPILOGUE=epilogue, ACT=cf.ACTIVATION_IDS[activation])
+    return cf.prune_gather_gemm(configs, {}, EPILOGUE=epilogue, ACT=cf.ACTIVATION_IDS[activation])
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "silu", "gelu"])
@@ -28,8 +28,8 @@ def _prune(configs, epilogue, activation):
 def test_activation_backward_runs_one_config(gpu_lists, monkeypatch, activation, autotune):
     # The router gradient's partial sums follow the column tiles: one config, so one tile width,
     # keeps it bitwise the same run to run, whatever the autotuner's timings.
-    monkeypatch.setattr(KNOBS, "autotune", autotune == "1")
-    configs = cf.row_gemm_configs()
+    monkeypatch.setattr(SETTINGS, "autotune", autotune == "1")
+    configs = cf.gather_gemm_configs()
     (kept,) = _prune(configs, cf.EPI_ACT_BWD, activation)
     assert kept.kwargs["BLOCK_N"] == cf.ACT_BWD_BLOCK_N == 256
     if autotune == "1":
@@ -37,7 +37,7 @@ def test_activation_backward_runs_one_config(gpu_lists, monkeypatch, activation,
 
 
 def test_swiglu_forward_stays_within_128_columns(gpu_lists):
-    configs = cf.row_gemm_configs()
+    configs = cf.gather_gemm_configs()
     kept = _prune(configs, cf.EPI_ACT_FWD, "swiglu")
     assert kept and all(c.kwargs["BLOCK_N"] <= 128 for c in kept)
     assert len(_prune(configs, cf.EPI_ACT_FWD, "silu")) == len(configs)
@@ -45,7 +45,7 @@ def test_swiglu_forward_stays_within_128_columns(gpu_lists):
 
 
 def test_plain_gemms_time_neither_128x128_tile(gpu_lists):
-    configs = cf.row_gemm_configs()
+    configs = cf.gather_gemm_configs()
     for activation in ("swiglu", "gelu"):
         kept = _prune(configs, cf.EPI_STORE, activation)
         assert {cf.config_label(c) for c in kept} == {
@@ -59,13 +59,13 @@ def test_narrow_tiles_are_timed_only_for_experts_with_few_rows(gpu_lists, rows_p
     # Each config timed costs a new shape's first call compiling and timing; the narrow tiles and
     # the square weight-gradient tile never won where the experts have many rows.
     E = 128
-    shape = dict(rows_bucket=row_gemm.next_pow2(rows_per_expert * E), E=E)
+    shape = dict(rows_bucket=gather_gemm.next_pow2(rows_per_expert * E), E=E)
     few = rows_per_expert < cf.NARROW_TILE_ROWS_PER_EXPERT / 2  # the bucket rounds up to a power of two
     assert cf.few_rows_per_expert(shape) == few
-    configs = cf.row_gemm_configs()
+    configs = cf.gather_gemm_configs()
     for epilogue, tma_rows in ((cf.EPI_ACT_FWD, False), (cf.EPI_STORE, False), (cf.EPI_STORE, True)):
-        kept = cf.prune_row_gemm(configs, shape, EPILOGUE=epilogue, ACT=cf.ACT_SWIGLU, TMA_ROWS=tma_rows)
-        unasked = cf.prune_row_gemm(configs, {}, EPILOGUE=epilogue, ACT=cf.ACT_SWIGLU, TMA_ROWS=tma_rows)
+        kept = cf.prune_gather_gemm(configs, shape, EPILOGUE=epilogue, ACT=cf.ACT_SWIGLU, TMA_ROWS=tma_rows)
+        unasked = cf.prune_gather_gemm(configs, {}, EPILOGUE=epilogue, ACT=cf.ACT_SWIGLU, TMA_ROWS=tma_rows)
         narrow = [c for c in unasked if min(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) < 128]
         assert narrow
         if few:
@@ -76,7 +76,7 @@ def test_narrow_tiles_are_timed_only_for_experts_with_few_rows(gpu_lists, rows_p
         else:
             assert kept == [c for c in unasked if c not in narrow] and len(kept) >= 2
     # SiLU and GELU forwards keep every tile (their winners are not measured at these shapes).
-    assert cf.prune_row_gemm(configs, shape, EPILOGUE=cf.EPI_ACT_FWD, ACT=cf.ACT_SILU) == configs
+    assert cf.prune_gather_gemm(configs, shape, EPILOGUE=cf.EPI_ACT_FWD, ACT=cf.ACT_SILU) == configs
     wgrad = cf.weight_grad_configs()
     for gather_a in (True, False):
         kept = cf.prune_weight_grad(wgrad, shape, GATHER_A=gather_a, GATHER_B=not gather_a)
@@ -101,17 +101,17 @@ def test_narrow_tiles_are_timed_only_for_experts_with_few_rows(gpu_lists, rows_p
 
 def test_rows_through_descriptors_drop_persistent_four_stage_tiles(gpu_lists):
     # C's TMA store buffer does not fit beside a persistent program's four stages.
-    configs = cf.row_gemm_configs()
-    pointers = cf.prune_row_gemm(configs, {}, EPILOGUE=cf.EPI_STORE, ACT=cf.ACT_SWIGLU, TMA_ROWS=False)
-    kept = cf.prune_row_gemm(configs, {}, EPILOGUE=cf.EPI_STORE, ACT=cf.ACT_SWIGLU, TMA_ROWS=True)
+    configs = cf.gather_gemm_configs()
+    pointers = cf.prune_gather_gemm(configs, {}, EPILOGUE=cf.EPI_STORE, ACT=cf.ACT_SWIGLU, TMA_ROWS=False)
+    kept = cf.prune_gather_gemm(configs, {}, EPILOGUE=cf.EPI_STORE, ACT=cf.ACT_SWIGLU, TMA_ROWS=True)
     dropped = [c for c in pointers if c not in kept]
     assert dropped and all(c.kwargs["PERSISTENT"] and c.num_stages >= 4 for c in dropped)
     assert any(c.kwargs["PERSISTENT"] for c in kept)  # the three-stage persistent tiles stay
 
 
 def test_no_autotune_gives_one_config_per_epilogue(gpu_lists, monkeypatch):
-    monkeypatch.setattr(KNOBS, "autotune", False)
-    configs = cf.row_gemm_configs()
+    monkeypatch.setattr(SETTINGS, "autotune", False)
+    configs = cf.gather_gemm_configs()
     (wgrad,) = cf.weight_grad_configs()
     picked = {}
     for epilogue in (cf.EPI_STORE, cf.EPI_ACT_FWD, cf.EPI_ACT_BWD):
@@ -142,7 +142,7 @@ def test_weight_gradients_time_only_tiles_long_on_the_expert_order_operand(gpu_l
 
 def test_autotune_switch_refuses_other_values():
     with pytest.raises(ValueError, match="MOEBLAZE_AUTOTUNE must be 0 or 1, got 'false'"):
-        read_knobs({"MOEBLAZE_AUTOTUNE": "false"})
+        read_settings({"MOEBLAZE_AUTOTUNE": "false"})
 
 
 def test_config_labels_and_the_autotuners_picks(monkeypatch):
@@ -152,10 +152,10 @@ def test_config_labels_and_the_autotuners_picks(monkeypatch):
     wgrad = triton.Config({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8, num_stages=5)
     assert cf.config_label(row) == "128x256x64/g8/w8/s4"
     assert cf.config_label(wgrad) == "256x128x32/g-/w8/s5"
-    monkeypatch.setattr(row_gemm.row_gemm_kernel, "cache", {(768, 2048): row})
+    monkeypatch.setattr(gather_gemm.gather_gemm_kernel, "cache", {(768, 2048): row})
     monkeypatch.setattr(weight_grad.weight_grad_kernel, "cache", {(2048, 1536): wgrad})
     assert tuning.autotune_picks() == {
-        "row_gemm_kernel(768, 2048)": "128x256x64/g8/w8/s4",
+        "gather_gemm_kernel(768, 2048)": "128x256x64/g8/w8/s4",
         "weight_grad_kernel(2048, 1536)": "256x128x32/g-/w8/s5",
     }
 
@@ -164,11 +164,11 @@ def test_ds_width_follows_the_activation_backward_tiles(gpu_lists, monkeypatch):
     # The router-gradient partials are one column per DS_COLS columns (two per 256-wide Triton
     # tile, one per 128-wide warp-specialized tile: one layout for both kernels), not per tile of
     # the narrowest config in the list (64): no zero columns to fill and sum.
-    configs = cf.row_gemm_configs()
+    configs = cf.gather_gemm_configs()
     assert min(c.kwargs["BLOCK_N"] for c in configs) < cf.DS_COLS < cf.ACT_BWD_BLOCK_N
-    monkeypatch.setattr(row_gemm.row_gemm_kernel, "configs", configs)
-    assert row_gemm.row_gemm_ds_tiles(768) == 768 // cf.DS_COLS == 6
-    assert row_gemm.row_gemm_ds_tiles(200) == 2
+    monkeypatch.setattr(gather_gemm.gather_gemm_kernel, "configs", configs)
+    assert gather_gemm.gather_gemm_ds_tiles(768) == 768 // cf.DS_COLS == 6
+    assert gather_gemm.gather_gemm_ds_tiles(200) == 2
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
@@ -181,23 +181,23 @@ def test_the_in_place_epilogue_is_never_timed(gpu_lists, monkeypatch, activation
     from moeblaze_megatron import build_routing_plan
     from moeblaze_megatron.kernels import launch
 
-    monkeypatch.setattr(row_gemm.row_gemm_kernel, "configs", cf.row_gemm_configs())
+    monkeypatch.setattr(gather_gemm.gather_gemm_kernel, "configs", cf.gather_gemm_configs())
     T, d, h, E = 12, 16, 8, 3
     width = 2 * h if activation == "swiglu" else h
     plan = build_routing_plan(torch.rand(T, E).topk(2, dim=1).indices, E)
     rows = plan.expert_token_indices.shape[0]
     x, pre, out = torch.randn(T, d), torch.randn(rows, width), torch.empty(rows, h)
-    backward = row_gemm.row_gemm_call(x, torch.randn(E, d, h), out, plan, transpose_weight=False,
+    backward = gather_gemm.gather_gemm_call(x, torch.randn(E, d, h), out, plan, transpose_weight=False,
                                       epilogue=cf.EPI_ACT_BWD, activation=activation, pre=pre,
                                       probs_sorted=torch.rand(rows),
-                                      ds_partial=torch.empty(rows, row_gemm.row_gemm_ds_tiles(h)), n=h)
-    forward = row_gemm.row_gemm_call(x, torch.randn(E, width, d), out, plan, transpose_weight=True,
+                                      ds_partial=torch.empty(rows, gather_gemm.gather_gemm_ds_tiles(h)), n=h)
+    forward = gather_gemm.gather_gemm_call(x, torch.randn(E, width, d), out, plan, transpose_weight=True,
                                      epilogue=cf.EPI_ACT_FWD, activation=activation, pre=pre, n=h)
     kernel, constexprs = launch._one_config(backward.kernel, backward.args, backward.constexprs)
     assert isinstance(kernel, launch._OneConfig) and kernel.config.kwargs["BLOCK_N"] == cf.ACT_BWD_BLOCK_N
     assert constexprs["BLOCK_N"] == cf.ACT_BWD_BLOCK_N and constexprs["num_warps"] == kernel.config.num_warps
-    assert launch._one_config(forward.kernel, forward.args, forward.constexprs)[0] is row_gemm.row_gemm_kernel
-    assert not row_gemm.row_gemm_kernel.restore_value and not row_gemm.row_gemm_kernel.reset_to_zero
+    assert launch._one_config(forward.kernel, forward.args, forward.constexprs)[0] is gather_gemm.gather_gemm_kernel
+    assert not gather_gemm.gather_gemm_kernel.restore_value and not gather_gemm.gather_gemm_kernel.reset_to_zero
 
 
 def test_tma_descriptor_is_triton_s_with_its_checks_run_once_per_layout(monkeypatch):

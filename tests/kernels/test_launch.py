@@ -1,4 +1,4 @@
-"""kernels/launch.py on the CPU: the host helpers, the switch (read in kernels/knobs.py), the
+"""kernels/launch.py on the CPU: the host helpers, the switch (read in kernels/settings.py), the
 signature key and launches under the interpreter (which take Triton's own path; the direct calls
 are checked on the GPU in tests/gpu: bitwise against Triton's path, a new signature per shape and
 alignment, each call's own grid, launch hooks)."""
@@ -15,7 +15,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moeblaze_megatron.kernels import launch as launch_mod
-from moeblaze_megatron.kernels.knobs import read_knobs
+from moeblaze_megatron.kernels.settings import read_settings
 
 
 def test_host_helpers_match_triton():
@@ -39,10 +39,10 @@ def test_spans_past_int32_reads_the_furthest_element_offset():
 
 
 def test_direct_launch_switch():
-    assert read_knobs({}).direct_launch
-    assert not read_knobs({"MOEBLAZE_DIRECT_LAUNCH": "0"}).direct_launch
+    assert read_settings({}).direct_launch
+    assert not read_settings({"MOEBLAZE_DIRECT_LAUNCH": "0"}).direct_launch
     with pytest.raises(ValueError, match="MOEBLAZE_DIRECT_LAUNCH must be 0 or 1"):
-        read_knobs({"MOEBLAZE_DIRECT_LAUNCH": "yes"})
+        read_settings({"MOEBLAZE_DIRECT_LAUNCH": "yes"})
 
 
 @pytest.mark.parametrize("key", [launch_mod._arg_key, lambda arg: launch_mod._signature((arg,))],
@@ -149,9 +149,9 @@ def test_direct_call_expands_descriptors_keeping_their_fills(monkeypatch):
 
 
 def test_direct_calls_skip_config_hooks_that_only_size_boxes():
-    from moeblaze_megatron.kernels.configs import set_row_gemm_boxes, set_tma_box
+    from moeblaze_megatron.kernels.configs import set_gather_gemm_boxes, set_tma_box
 
-    assert set_row_gemm_boxes.only_sizes_boxes and set_tma_box.only_sizes_boxes
+    assert set_gather_gemm_boxes.only_sizes_boxes and set_tma_box.only_sizes_boxes
     seen = []
 
     class Compiled:
@@ -233,26 +233,26 @@ def test_compile_workers_knob():
     import os
 
     cpus = os.cpu_count() or 1
-    assert read_knobs({}).compile_workers == max(1, min(8, cpus))
+    assert read_settings({}).compile_workers == max(1, min(8, cpus))
     # torchrun's ranks on one machine share its CPUs.
-    assert read_knobs({"LOCAL_WORLD_SIZE": "4"}).compile_workers == max(1, min(8, cpus // 4))
-    assert read_knobs({"LOCAL_WORLD_SIZE": str(4 * cpus)}).compile_workers == 1
-    assert read_knobs({"MOEBLAZE_COMPILE_WORKERS": "0"}).compile_workers == 0
-    assert read_knobs({"MOEBLAZE_COMPILE_WORKERS": "16"}).compile_workers == 16
+    assert read_settings({"LOCAL_WORLD_SIZE": "4"}).compile_workers == max(1, min(8, cpus // 4))
+    assert read_settings({"LOCAL_WORLD_SIZE": str(4 * cpus)}).compile_workers == 1
+    assert read_settings({"MOEBLAZE_COMPILE_WORKERS": "0"}).compile_workers == 0
+    assert read_settings({"MOEBLAZE_COMPILE_WORKERS": "16"}).compile_workers == 16
     for bad in ("-1", "two", "1.5"):
         with pytest.raises(ValueError, match=f"MOEBLAZE_COMPILE_WORKERS must be a whole number .*got '{bad}'"):
-            read_knobs({"MOEBLAZE_COMPILE_WORKERS": bad})
+            read_settings({"MOEBLAZE_COMPILE_WORKERS": bad})
     # The knob it replaced is refused, not ignored.
     with pytest.raises(ValueError, match="MOEBLAZE_COMPILE_THREADS is gone.*MOEBLAZE_COMPILE_WORKERS"):
-        read_knobs({"MOEBLAZE_COMPILE_THREADS": "8"})
+        read_settings({"MOEBLAZE_COMPILE_THREADS": "8"})
 
 
 def test_workers_start_at_the_first_compiled_launch_only(monkeypatch):
     # Under expert parallelism each step's token counts are new signatures, compiled already on
     # disk: a miss after the first must not start workers that idled out.
     started, compiled = [], []
-    monkeypatch.setattr(launch_mod.KNOBS, "interpret", False)
-    monkeypatch.setattr(launch_mod.KNOBS, "direct_launch", True)
+    monkeypatch.setattr(launch_mod.SETTINGS, "interpret", False)
+    monkeypatch.setattr(launch_mod.SETTINGS, "direct_launch", True)
     monkeypatch.setattr(launch_mod, "_entries", {})
     monkeypatch.setattr(launch_mod.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(launch_mod.compile_workers, "start", lambda: started.append(1))

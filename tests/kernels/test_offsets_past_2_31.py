@@ -20,8 +20,8 @@ import triton
 from moe_testing import make_topk_ids
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels.combine import combine
-from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD, row_gemm_ds_tiles
-from moeblaze_megatron.kernels.tuning import row_gemm_with, weight_grad_with
+from moeblaze_megatron.kernels.gather_gemm import EPI_ACT_BWD, EPI_ACT_FWD, gather_gemm_ds_tiles
+from moeblaze_megatron.kernels.tuning import gather_gemm_with, weight_grad_with
 from moeblaze_megatron.kernels.weight_grad import weight_grad_call
 
 CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4)
@@ -62,31 +62,31 @@ def _problem(seed, activation, dtype):
     return plan, width, x, dy, fc1, fc2, probs
 
 
-def _row_gemms(plan, width, x, dy, fc1, fc2, probs, activation, tma, alloc):
+def _gather_gemms(plan, width, x, dy, fc1, fc2, probs, activation, tma, alloc):
     """fc1 with the activation, fc2, dH with the activation backward, dX; outputs from ``alloc``."""
     rows = T * K
     pre, hid, out2, hs, dx = (alloc((rows, w), x.dtype) for w in (width, H, D, H, D))
-    ds = alloc((rows, row_gemm_ds_tiles(H)), torch.float32)
+    ds = alloc((rows, gather_gemm_ds_tiles(H)), torch.float32)
     kw = dict(plan=plan, tma_weight=tma)
-    row_gemm_with(CONFIG, x, fc1, hid, transpose_weight=True, epilogue=EPI_ACT_FWD, activation=activation, pre=pre,
+    gather_gemm_with(CONFIG, x, fc1, hid, transpose_weight=True, epilogue=EPI_ACT_FWD, activation=activation, pre=pre,
                   n=H, **kw)
     saved_pre = pre.clone()
-    row_gemm_with(CONFIG, hid, fc2, out2, transpose_weight=True, gather_a=False, n=D, tma_rows=tma, **kw)
-    row_gemm_with(CONFIG, dy, fc2, hs, transpose_weight=False, epilogue=EPI_ACT_BWD, activation=activation,
+    gather_gemm_with(CONFIG, hid, fc2, out2, transpose_weight=True, gather_a=False, n=D, tma_rows=tma, **kw)
+    gather_gemm_with(CONFIG, dy, fc2, hs, transpose_weight=False, epilogue=EPI_ACT_BWD, activation=activation,
                   pre=pre, probs_sorted=probs, ds_partial=ds, n=H, **kw)
-    row_gemm_with(CONFIG, pre, fc1, dx, transpose_weight=False, gather_a=False, n=D, tma_rows=tma, **kw)
+    gather_gemm_with(CONFIG, pre, fc1, dx, transpose_weight=False, gather_a=False, n=D, tma_rows=tma, **kw)
     return saved_pre, hid, out2, hs, pre, ds, dx
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("activation,dtype", [("swiglu", torch.bfloat16), ("gelu", torch.float32)])
-def test_row_gemms_reach_rows_and_experts_past_2_31(tma, activation, dtype):
+def test_gather_gemms_reach_rows_and_experts_past_2_31(tma, activation, dtype):
     plan, width, x, dy, fc1, fc2, probs = _problem(hash((tma, activation)) % 2**31, activation, dtype)
-    compact = _row_gemms(plan, width, x, dy, fc1, fc2, probs, activation, tma,
+    compact = _gather_gemms(plan, width, x, dy, fc1, fc2, probs, activation, tma,
                          lambda shape, dt: torch.full(shape, float("nan"), dtype=dt))
     assert (FAR_ROWS * (T * K - 1) > 2**31 and FAR_TOKENS * (T - 1) > 2**31
             and FAR_EXPERTS * (E - 1) > 2**31 and int(plan.expert_token_offsets[-2]) < T * K)
-    far_ones = _row_gemms(plan, width, far_copy(x, FAR_TOKENS), far_copy(dy, FAR_TOKENS),
+    far_ones = _gather_gemms(plan, width, far_copy(x, FAR_TOKENS), far_copy(dy, FAR_TOKENS),
                           far_copy(fc1, FAR_EXPERTS), far_copy(fc2, FAR_EXPERTS), probs, activation, tma,
                           lambda shape, dt: far(shape, dt, FAR_ROWS))
     for want, got in zip(compact, far_ones):

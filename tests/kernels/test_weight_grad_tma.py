@@ -13,7 +13,7 @@ from moe_testing import rel_error, weight_grad_reference
 from moeblaze_megatron import build_routing_plan, moe_mlp
 from moeblaze_megatron.kernels import configs as cf
 from moeblaze_megatron.kernels import weight_grad as wg
-from moeblaze_megatron.kernels.knobs import KNOBS
+from moeblaze_megatron.kernels.settings import SETTINGS
 from moeblaze_megatron.kernels.tuning import weight_grad_with
 
 CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4)
@@ -88,8 +88,8 @@ def test_default_takes_tma_where_a_descriptor_can_and_pointer_loads_elsewhere(te
 
 
 def test_every_autotuned_config_sizes_the_descriptor_box(monkeypatch):
-    monkeypatch.setattr(KNOBS, "interpret", False)
-    monkeypatch.setattr(KNOBS, "autotune", True)
+    monkeypatch.setattr(SETTINGS, "interpret", False)
+    monkeypatch.setattr(SETTINGS, "autotune", True)
     configs = cf.weight_grad_configs()
     assert len({cf.config_label(c) for c in configs}) == len(configs) > 1
     ordered = torch.randn(64, 32)

@@ -46,7 +46,7 @@ def test_the_warp_specialized_epilogues_compile_for_hopper(tmp_path):
     serialized by ptxas, and no more than a few spilled bytes (dH: 8 with Triton 3.6's ptxas, 72 with 3.8's; the tilings
     that did not fit spilled kilobytes)."""
     from moeblaze_megatron.kernels.configs import EPI_ACT_BWD, EPI_ACT_FWD
-    from moeblaze_megatron.kernels.row_gemm_ws import WS_TILES, ws_registers
+    from moeblaze_megatron.kernels.gather_gemm_ws import WS_TILES, ws_registers
 
     limit = {"fc1_act_ws": ws_registers(WS_TILES[EPI_ACT_FWD]), "fc1_act_halves_ws": ws_registers(WS_TILES[EPI_ACT_FWD]),
              "dh_act_bwd_ws": ws_registers(WS_TILES[EPI_ACT_BWD])}

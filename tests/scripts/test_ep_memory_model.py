@@ -160,7 +160,7 @@ def _stock_worker(rank, world_size, port):
     process of its own: the peer initializes Megatron's parallel state."""
     import os
 
-    from benchlib.peers import MegatronSequential
+    from benchlib.baselines import MegatronSequential
 
     from moeblaze_megatron.training.cpu_shims import enable_cpu_megatron
 

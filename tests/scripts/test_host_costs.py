@@ -28,7 +28,7 @@ def test_marks_wrap_the_path_to_the_launches_and_come_off_after():
         y = sys.modules["moeblaze_megatron"].moe_mlp(x, ids, probs, fc1, fc2, backend="triton")
     y.sum().backward()
     assert seen[:3] == [">moe_mlp", ">check_moe_mlp_args", "<check_moe_mlp_args"] and seen[-1] == "<moe_mlp"
-    for name in ("build_routing_plan", "TritonMoEMLP.forward", "fused_forward", "row_gemm_call", "combine"):
+    for name in ("build_routing_plan", "TritonMoEMLP.forward", "fused_forward", "gather_gemm_call", "combine"):
         assert seen.count(f">{name}") == seen.count(f"<{name}") >= 1, name
     assert "<TritonMoEMLP.forward" in seen[seen.index(">TritonMoEMLP.forward"):]
     # Nothing recorded once the block is left, and every original is back.

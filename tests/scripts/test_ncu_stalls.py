@@ -18,7 +18,7 @@ HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall 
 
 
 def _page(tmp_path, rows, compress=False):
-    lines = ['"Kernel Name","row_gemm_ws_kernel",', ",".join(f'"{h}"' for h in HEADER)]
+    lines = ['"Kernel Name","gather_gemm_ws_kernel",', ",".join(f'"{h}"' for h in HEADER)]
     for n, (sass, executed, barrier, long_sb, wait) in enumerate(rows):
         total = barrier + long_sb + wait
         lines.append(",".join(f'"{v}"' for v in (
@@ -45,7 +45,7 @@ def test_samples_by_loop_level_and_instruction(tmp_path, compress):
     rng = random.Random()
     rows = _random_rows(rng)
     kernel, instructions = read_source(str(_page(tmp_path, rows, compress)))
-    assert kernel == "row_gemm_ws_kernel" and [i.executed for i in instructions] == [r[1] for r in rows]
+    assert kernel == "gather_gemm_ws_kernel" and [i.executed for i in instructions] == [r[1] for r in rows]
     assert [i.samples for i in instructions] == [sum(r[2:]) for r in rows]
     assert instructions[5].sass.startswith("HGMMA") and instructions[6].stalls["long_sb"] == rows[6][3]
     loops = by_loop(instructions)
@@ -65,7 +65,7 @@ def test_samples_by_loop_level_and_instruction(tmp_path, compress):
 def test_the_script_prints_the_report_and_refuses_another_csv(tmp_path, capsys):
     path = _page(tmp_path, _random_rows(random.Random()))
     assert main([str(path), "--top", "3"]) == 0
-    assert "row_gemm_ws_kernel: 8 instructions" in capsys.readouterr().out
+    assert "gather_gemm_ws_kernel: 8 instructions" in capsys.readouterr().out
     other = tmp_path / "details.csv"
     other.write_text('"ID","Process ID"\n"0","1"\n')
     with pytest.raises(SystemExit):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from benchlib.layer_bench import available_impls
-from benchlib.peers import IMPLS
+from benchlib.baselines import IMPLS
 from benchlib.te_report import summary
 
 REPO = Path(__file__).resolve().parents[2]
@@ -174,7 +174,7 @@ def test_gpu_suite_ncu_step(tmp_path):
     out, done, _ = _fake_suite(tmp_path, STEPS="ncu", NCU_SHAPE="qwen3", TMPDIR=str(tmp_path))
     assert "== ncu rc=0" in done.stdout
     profile, *exports = (tmp_path / "ncu.log").read_text().splitlines()
-    assert "-k regex:row_gemm_ws -s 1 -c 1" in profile and "--section SourceCounters" in profile
+    assert "-k regex:gather_gemm_ws -s 1 -c 1" in profile and "--section SourceCounters" in profile
     (other := tmp_path / "skip").mkdir()
     _fake_suite(other, STEPS="ncu", NCU_KERNEL="weight_grad", NCU_SKIP="2", TMPDIR=str(other))
     assert "-k regex:weight_grad -s 2 -c 1" in (other / "ncu.log").read_text().splitlines()[0]

@@ -1,7 +1,7 @@
-"""The row GEMM over a routing plan, gathering its rows on the fly: fc1 (with the activation),
+"""The gather GEMM over a routing plan, gathering its rows on the fly: fc1 (with the activation),
 fc2, dH (with the activation backward) and dX.
 
-``row_gemm_kernel``: for every expert e and every row r of its slice of the plan,
+``gather_gemm_kernel``: for every expert e and every row r of its slice of the plan,
 ``C[r] = A[src(r)] @ B[e]`` where ``src(r)`` is the token id (``GATHER_A``: rows of x or dY read
 in place through ``expert_token_indices``) or r itself (A already in expert order). Its epilogue
 is one of: store C; the activation forward (SwiGLU: the gate columns and the up columns form one
@@ -37,20 +37,20 @@ from .configs import (
     TMA_ROWS_MIN_FLOPS,
     WS_EPILOGUES,
     capability,
-    prune_row_gemm,
+    prune_gather_gemm,
     ragged_tma_takes,
-    row_gemm_configs,
+    gather_gemm_configs,
     sm_count,
     tma_descriptor,
     tma_takes,
 )
-from .knobs import KNOBS
+from .settings import SETTINGS
 from .launch import KernelCall, cdiv, gpu_of, launch_call, next_pow2
 from .numerics import dot, dot_flags, to_storage
 
 __all__ = [
     "ACTIVATION_IDS", "ACT_GELU", "ACT_SILU", "ACT_SWIGLU", "EPI_ACT_BWD", "EPI_ACT_FWD", "EPI_STORE",
-    "expert_order_gemm", "row_gemm", "row_gemm_call", "row_gemm_ds_tiles", "row_gemm_kernel",
+    "expert_order_gemm", "gather_gemm", "gather_gemm_call", "gather_gemm_ds_tiles", "gather_gemm_kernel",
 ]
 
 
@@ -85,21 +85,21 @@ _DS_COLS = tl.constexpr(DS_COLS)
 
 
 @triton.autotune(
-    configs=row_gemm_configs(),
+    configs=gather_gemm_configs(),
     key=["N", "K", "E", "rows_bucket", "EPILOGUE", "ACT", "GATHER_A", "TMA_B", "TMA_ROWS"],
-    prune_configs_by={"early_config_prune": prune_row_gemm},
+    prune_configs_by={"early_config_prune": prune_gather_gemm},
     # No restore_value: the one epilogue that rewrites an input (the activation backward, pre)
     # prunes to one config, which launch.py runs without timing it.
 )
 @triton.jit
-def row_gemm_kernel(
+def gather_gemm_kernel(
     a_ptr, b_ptr, b2_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr,
     token_idx_ptr, offsets_ptr,
     rows_total, rows_bucket, N, K, E,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn,
     stride_cm, stride_pm, stride_dsm,
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATHER_A: tl.constexpr, STORE_PRE: tl.constexpr,
-    MEND_BF16: tl.constexpr, PRECISION: tl.constexpr, E_POW2: tl.constexpr,
+    ROUND_BF16_BY_HAND: tl.constexpr, PRECISION: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TMA_B: tl.constexpr = False, TRANS_B: tl.constexpr = False, TMA_ROWS: tl.constexpr = False,
     PERSISTENT: tl.constexpr = False, SPLIT_B: tl.constexpr = False,
@@ -110,7 +110,7 @@ def row_gemm_kernel(
     EPI_ACT_FWD: pre = acc (gate | up for SwiGLU, stored when STORE_PRE), c = act(pre).
     EPI_ACT_BWD: acc is dH (unscaled); pre holds the saved pre-activations and receives
                  d pre in place; c receives p * act(pre) (for dW2); ds receives
-                 <dH, act(pre)> summed over each DS_COLS columns of the tile (row_gemm_ds_tiles).
+                 <dH, act(pre)> summed over each DS_COLS columns of the tile (gather_gemm_ds_tiles).
     For SwiGLU, N is the width h of one half; the up half sits N columns after the gate half.
     TMA_B: B is a TMA descriptor over the weight, [E, N, K] (TRANS_B), [E, 2, N, K] (the SwiGLU
     forward's gate and up halves) or [E, K, N]; the hardware zero-fills past N and K.
@@ -126,25 +126,25 @@ def row_gemm_kernel(
     if PERSISTENT:
         m_tiles = _row_tiles(offsets_ptr, E, BLOCK_M, E_POW2)
         for pid in tl.range(tl.program_id(0), m_tiles * n_tiles, tl.num_programs(0), flatten=True):
-            _row_gemm_tile(pid, m_tiles, n_tiles, a_ptr, b_ptr, b2_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr,
+            _gather_gemm_tile(pid, m_tiles, n_tiles, a_ptr, b_ptr, b2_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr,
                            token_idx_ptr, offsets_ptr, N, K, E, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
-                           stride_cm, stride_pm, stride_dsm, EPILOGUE, ACT, GATHER_A, STORE_PRE, MEND_BF16,
+                           stride_cm, stride_pm, stride_dsm, EPILOGUE, ACT, GATHER_A, STORE_PRE, ROUND_BF16_BY_HAND,
                            PRECISION, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_B, TRANS_B, TMA_ROWS,
                            PERSISTENT, SPLIT_B)
     else:
-        _row_gemm_tile(tl.program_id(0), tl.cdiv(rows_total, BLOCK_M) + E, n_tiles, a_ptr, b_ptr, b2_ptr, c_ptr,
+        _gather_gemm_tile(tl.program_id(0), tl.cdiv(rows_total, BLOCK_M) + E, n_tiles, a_ptr, b_ptr, b2_ptr, c_ptr,
                        pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, offsets_ptr, N, K, E, stride_am, stride_ak,
                        stride_be, stride_bk, stride_bn, stride_cm, stride_pm, stride_dsm, EPILOGUE, ACT, GATHER_A,
-                       STORE_PRE, MEND_BF16, PRECISION, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_B, TRANS_B,
+                       STORE_PRE, ROUND_BF16_BY_HAND, PRECISION, E_POW2, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_B, TRANS_B,
                        TMA_ROWS, PERSISTENT, SPLIT_B)
 
 
 @triton.jit
-def _row_gemm_tile(
+def _gather_gemm_tile(
     pid, m_tiles, n_tiles, a_ptr, b_ptr, b2_ptr, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, offsets_ptr,
     N, K, E, stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_pm, stride_dsm,
     EPILOGUE: tl.constexpr, ACT: tl.constexpr, GATHER_A: tl.constexpr, STORE_PRE: tl.constexpr,
-    MEND_BF16: tl.constexpr, PRECISION: tl.constexpr, E_POW2: tl.constexpr,
+    ROUND_BF16_BY_HAND: tl.constexpr, PRECISION: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TMA_B: tl.constexpr, TRANS_B: tl.constexpr, TMA_ROWS: tl.constexpr, PERSISTENT: tl.constexpr,
     SPLIT_B: tl.constexpr,
@@ -206,9 +206,9 @@ def _row_gemm_tile(
             # ragged_tma.store_ragged's own reshape fails under the interpreter (a tuple shape).
             c0, c1, c2 = to_ragged_indices(row_lo, row_end - row_lo, row0 - row_lo)
             c_ptr.store([c0, c1, c2, pid_n * BLOCK_N],
-                        tl.reshape(to_storage(acc, out_dtype, MEND_BF16), [1, 1, BLOCK_M, BLOCK_N]))
+                        tl.reshape(to_storage(acc, out_dtype, ROUND_BF16_BY_HAND), [1, 1, BLOCK_M, BLOCK_N]))
         elif EPILOGUE == 0:
-            tl.store(c_ptrs, to_storage(acc, out_dtype, MEND_BF16), mask=mask)
+            tl.store(c_ptrs, to_storage(acc, out_dtype, ROUND_BF16_BY_HAND), mask=mask)
         elif EPILOGUE == 1:
             # Round to the storage dtype first: backward recomputes from the stored values.
             if GLU:
@@ -216,29 +216,29 @@ def _row_gemm_tile(
                     acc_gate, acc_up = acc, acc2
                 else:
                     acc_gate, acc_up = _column_halves(acc, BLOCK_M, 2 * BLOCK_N)
-                gate = to_storage(acc_gate, out_dtype, MEND_BF16)
-                up = to_storage(acc_up, out_dtype, MEND_BF16)
+                gate = to_storage(acc_gate, out_dtype, ROUND_BF16_BY_HAND)
+                up = to_storage(acc_up, out_dtype, ROUND_BF16_BY_HAND)
                 if STORE_PRE:
                     tl.store(pre_ptrs, gate, mask=mask)
                     tl.store(pre_ptrs + N, up, mask=mask)
                 h = act(gate.to(tl.float32), ACT) * up.to(tl.float32)
             else:
-                gate = to_storage(acc, out_dtype, MEND_BF16)
+                gate = to_storage(acc, out_dtype, ROUND_BF16_BY_HAND)
                 if STORE_PRE:
                     tl.store(pre_ptrs, gate, mask=mask)
                 h = act(gate.to(tl.float32), ACT)
-            tl.store(c_ptrs, to_storage(h, out_dtype, MEND_BF16), mask=mask)
+            tl.store(c_ptrs, to_storage(h, out_dtype, ROUND_BF16_BY_HAND), mask=mask)
         else:
             # dH is rounded to the storage dtype first (as a stored dH would be), which halves the
             # registers it holds; the epilogue then runs on four column chunks one after the other
             # (a whole 256-wide tile's saved pre-activations at once would spill), each chunk's
             # loads issued before the previous chunk's stores.
             p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-            ds_lo, ds_hi = _act_bwd_epilogue(to_storage(acc, out_dtype, MEND_BF16), p, r64, row_ok, pid_n * BLOCK_N,
-                                             N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU, MEND_BF16, BLOCK_M,
+            ds_lo, ds_hi = _act_bwd_epilogue(to_storage(acc, out_dtype, ROUND_BF16_BY_HAND), p, r64, row_ok, pid_n * BLOCK_N,
+                                             N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU, ROUND_BF16_BY_HAND, BLOCK_M,
                                              BLOCK_N)
             # One partial per _DS_COLS columns, as the warp-specialized dH writes them; a narrower
-            # tile (the interpreter's) one per tile (row_gemm_ds_tiles).
+            # tile (the interpreter's) one per tile (gather_gemm_ds_tiles).
             ds_row = ds_ptr + r64 * stride_dsm
             if BLOCK_N == 2 * _DS_COLS:
                 tl.store(ds_row + 2 * pid_n, ds_lo, mask=row_ok)
@@ -314,7 +314,7 @@ def _load_pre(r64, row_ok, col0, N, pre_ptr, stride_pm, COLS: tl.constexpr, GLU:
 
 @triton.jit
 def _act_bwd_chunk(acc, g, up, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm,
-                   ACT: tl.constexpr, GLU: tl.constexpr, MEND_BF16: tl.constexpr):
+                   ACT: tl.constexpr, GLU: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr):
     """The activation backward on the columns from col0 of dH = acc (unscaled), given their saved
     pre-activations: d pre over pre (for SwiGLU d gate, and d up N columns further), p * act(pre)
     into c; returns the rows' partial <dH, h>."""
@@ -326,16 +326,16 @@ def _act_bwd_chunk(acc, g, up, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_c
     pre_ptrs = pre_ptr + r64[:, None] * stride_pm + cols[None, :]
     h, d_pre, d_up = act_bwd(acc * p[:, None], g, up.to(tl.float32), ACT, GLU)
     if GLU:
-        tl.store(pre_ptrs + N, to_storage(d_up, out_dtype, MEND_BF16), mask=mask)
-    tl.store(pre_ptrs, to_storage(d_pre, out_dtype, MEND_BF16), mask=mask)
-    tl.store(c_ptr + r64[:, None] * stride_cm + cols[None, :], to_storage(h * p[:, None], out_dtype, MEND_BF16),
+        tl.store(pre_ptrs + N, to_storage(d_up, out_dtype, ROUND_BF16_BY_HAND), mask=mask)
+    tl.store(pre_ptrs, to_storage(d_pre, out_dtype, ROUND_BF16_BY_HAND), mask=mask)
+    tl.store(c_ptr + r64[:, None] * stride_cm + cols[None, :], to_storage(h * p[:, None], out_dtype, ROUND_BF16_BY_HAND),
              mask=mask)
     return tl.sum(tl.where(mask, acc * h, 0.0), axis=1)
 
 
 @triton.jit
 def _act_bwd_epilogue(dh, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm,
-                      ACT: tl.constexpr, GLU: tl.constexpr, MEND_BF16: tl.constexpr,
+                      ACT: tl.constexpr, GLU: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
                       ROWS: tl.constexpr, COLS: tl.constexpr):
     """The activation backward on COLS columns of dH from col0, in four chunks. Returns the rows'
     partial <dH, h> over each half of the columns.
@@ -350,31 +350,31 @@ def _act_bwd_epilogue(dh, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, st
     g0, u0 = _load_pre(r64, row_ok, col0, N, pre_ptr, stride_pm, Q, GLU)
     g1, u1 = _load_pre(r64, row_ok, col0 + Q, N, pre_ptr, stride_pm, Q, GLU)
     ds_lo = _act_bwd_chunk(c0, g0, u0, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU,
-                           MEND_BF16)
+                           ROUND_BF16_BY_HAND)
     g2, u2 = _load_pre(r64, row_ok, col0 + 2 * Q, N, pre_ptr, stride_pm, Q, GLU)
     ds_lo += _act_bwd_chunk(c1, g1, u1, p, r64, row_ok, col0 + Q, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU,
-                         MEND_BF16)
+                         ROUND_BF16_BY_HAND)
     g3, u3 = _load_pre(r64, row_ok, col0 + 3 * Q, N, pre_ptr, stride_pm, Q, GLU)
     ds_hi = _act_bwd_chunk(c2, g2, u2, p, r64, row_ok, col0 + 2 * Q, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT,
-                           GLU, MEND_BF16)
+                           GLU, ROUND_BF16_BY_HAND)
     ds_hi += _act_bwd_chunk(c3, g3, u3, p, r64, row_ok, col0 + 3 * Q, N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT,
-                            GLU, MEND_BF16)
+                            GLU, ROUND_BF16_BY_HAND)
     return ds_lo, ds_hi
 
 
-def row_gemm(a, weight, out, plan, **kwargs) -> None:
-    """Launch ``row_gemm_kernel`` (autotuned); the arguments are ``row_gemm_call``'s."""
-    launch_call(row_gemm_call(a, weight, out, plan, **kwargs))
+def gather_gemm(a, weight, out, plan, **kwargs) -> None:
+    """Launch ``gather_gemm_kernel`` (autotuned); the arguments are ``gather_gemm_call``'s."""
+    launch_call(gather_gemm_call(a, weight, out, plan, **kwargs))
 
 
-def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, activation="swiglu",
+def gather_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE, activation="swiglu",
                   gather_a=True, pre=None, store_pre=True, probs_sorted=None, ds_partial=None, n=None,
                   tma_weight=None, tma_rows=None, warp_specialize=None) -> KernelCall:
-    """The launch of ``row_gemm_kernel`` over ``n`` output columns; ``weight`` is [E, out, in]
+    """The launch of ``gather_gemm_kernel`` over ``n`` output columns; ``weight`` is [E, out, in]
     (``transpose_weight``: multiply by its transpose, as nn.Linear does) or [E, in, out], or a
     (gate, up) pair of halves of one shape and strides (``split_halves`` says which launches take
     it) standing for the two stacked along the halved dimension.
-    ``ds_partial`` (activation backward): float32, ``row_gemm_ds_tiles(n)`` wide; every used row's
+    ``ds_partial`` (activation backward): float32, ``gather_gemm_ds_tiles(n)`` wide; every used row's
     partials are written (the rows of unused slots, past the plan's last offset, are not).
     ``tma_weight``: read the weight through a TMA descriptor where the hardware and the tensor
     allow it (None, the default: Hopper or newer, an aligned weight), always (True: an error where
@@ -383,8 +383,8 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
     (``EPI_STORE``, not ``gather_a``: fc2, dX) through ragged TMA descriptors; None takes them
     from ``TMA_ROWS_MIN_FLOPS`` on.
     ``warp_specialize``: run the fused epilogues (the activation forward and backward) in
-    ``row_gemm_ws_kernel`` (Gluon, Hopper: the epilogue in warps of its own) where it takes the
-    launch (None, the default: for the epilogues ``KNOBS.warp_specialize`` names, from
+    ``gather_gemm_ws_kernel`` (Gluon, Hopper: the epilogue in warps of its own) where it takes the
+    launch (None, the default: for the epilogues ``SETTINGS.warp_specialize`` names, from
     ``WS_MIN_COLUMNS[epilogue]`` columns on), always (True: an error where it cannot) or never (False)."""
     if epilogue in (EPI_ACT_FWD, EPI_ACT_BWD) and warp_specialize is not False:
         call = _warp_specialized(a, weight, out, plan, epilogue, activation, gather_a, transpose_weight, pre,
@@ -400,18 +400,18 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
         # The SwiGLU forward: n columns of each half over k_dim; a plain GEMM: k_dim = both halves' rows.
         expected = (n, k_dim) if transpose_weight else (k_dim // 2, n)
         if tuple(weight.shape[1:]) != expected or (not transpose_weight and k_dim % 2):
-            raise ValueError(f"row_gemm: each half of the weight pair must be [E, {expected[0]}, {expected[1]}] "
+            raise ValueError(f"gather_gemm: each half of the weight pair must be [E, {expected[0]}, {expected[1]}] "
                              f"for A of width {k_dim} and n={n}, got {tuple(weight.shape)}")
     b, b2 = weight, (up if split else weight)
     if tma_weight is None:
         tma_weight = tma_takes(weight) and (not split or tma_takes(up))
     elif tma_weight and not (tma_takes(weight) and (not split or tma_takes(up))):
-        raise ValueError(f"row_gemm(tma_weight=True): weight must be on a GPU of compute capability 9.0 or newer, "
+        raise ValueError(f"gather_gemm(tma_weight=True): weight must be on a GPU of compute capability 9.0 or newer, "
                          f"have unit last stride and 16-byte aligned strides and start; got strides "
                          f"{weight.stride()} on {weight.device}")
     if tma_weight:
         # The box is the first config's weight tile; the configs' pre-hook resizes it to each one's.
-        kw = row_gemm_kernel.configs[0].kwargs
+        kw = gather_gemm_kernel.configs[0].kwargs
         if epilogue == EPI_ACT_FWD and activation == "swiglu" and not split:
             b = tma_descriptor(weight.view(num_experts, 2, n, k_dim), (1, 2, kw["BLOCK_N"], kw["BLOCK_K"]))
         else:
@@ -430,14 +430,14 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
         tma_rows = rows_take and 2 * rows_total * n * k_dim >= TMA_ROWS_MIN_FLOPS
     elif tma_rows and not rows_take:
         raise ValueError(
-            f"row_gemm(tma_rows=True): needs a plain GEMM (epilogue EPI_STORE, got {epilogue}) over A in expert "
+            f"gather_gemm(tma_rows=True): needs a plain GEMM (epilogue EPI_STORE, got {epilogue}) over A in expert "
             f"order (gather_a=False, got {gather_a}), and A and out on a GPU of compute capability 9.0 or newer "
             f"with 1 to 2**30 rows (got {rows_total}), unit last stride, 16-byte aligned strides and start; got "
             f"strides {a.stride()} and {out.stride()} on {out.device}")
     a_arg, c_arg = a, out
     if tma_rows:
         # The boxes are the first config's tiles; the configs' pre-hook resizes them to each one's.
-        kw = row_gemm_kernel.configs[0].kwargs
+        kw = gather_gemm_kernel.configs[0].kwargs
         a_arg = create_ragged_descriptor(a, [kw["BLOCK_M"], kw["BLOCK_K"]])
         c_arg = create_ragged_descriptor(c_rows, [kw["BLOCK_M"], kw["BLOCK_N"]])
     mend, precision = dot_flags(a.dtype)
@@ -459,10 +459,10 @@ def row_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STORE,
     )
     constexprs = dict(
         EPILOGUE=epilogue, ACT=ACTIVATION_IDS[activation], GATHER_A=gather_a, STORE_PRE=store_pre,
-        MEND_BF16=mend, PRECISION=precision, E_POW2=max(next_pow2(num_experts + 1), 16),
+        ROUND_BF16_BY_HAND=mend, PRECISION=precision, E_POW2=max(next_pow2(num_experts + 1), 16),
         TMA_B=tma_weight, TRANS_B=tma_weight and transpose_weight, TMA_ROWS=tma_rows, SPLIT_B=split,
     )
-    return KernelCall(row_gemm_kernel, grid, args, constexprs)
+    return KernelCall(gather_gemm_kernel, grid, args, constexprs)
 
 
 # The knob's launches go to the warp-specialized kernel from this many output columns (the layer's
@@ -474,23 +474,23 @@ WS_MIN_COLUMNS = {EPI_ACT_FWD: 1024, EPI_ACT_BWD: 0}
 
 def _warp_specialized(a, weight, out, plan, epilogue, activation, gather_a, transpose_weight, pre, store_pre,
                       probs_sorted, ds_partial, n, *, required):
-    """``row_gemm_ws_kernel``'s call for a fused-epilogue launch it takes (where the knob names the
+    """``gather_gemm_ws_kernel``'s call for a fused-epilogue launch it takes (where the knob names the
     epilogue and ``n`` is at least its WS_MIN_COLUMNS, or ``required``), else None; ``required``: a
     ValueError where it cannot take it."""
     device = gpu_of(a)
-    chosen = WS_EPILOGUES[epilogue] in KNOBS.warp_specialize and n >= WS_MIN_COLUMNS[epilogue]
-    if device is None or KNOBS.interpret or not (required or chosen):
+    chosen = WS_EPILOGUES[epilogue] in SETTINGS.warp_specialize and n >= WS_MIN_COLUMNS[epilogue]
+    if device is None or SETTINGS.interpret or not (required or chosen):
         if required:
-            raise ValueError("row_gemm(warp_specialize=True): the warp-specialized fused epilogues run on a GPU, "
+            raise ValueError("gather_gemm(warp_specialize=True): the warp-specialized fused epilogues run on a GPU, "
                              f"not under the interpreter (A on {a.device})")
         return None
     # Gluon is imported only where a GPU would run its kernel.
-    from .row_gemm_ws import WS_REQUIREMENTS, ws_call, ws_takes
+    from .gather_gemm_ws import WS_REQUIREMENTS, ws_call, ws_takes
 
     cap = capability(device.index)
     if not (gather_a and ws_takes(a, weight, out, pre, epilogue, transpose_weight, cap)):
         if required:
-            raise ValueError(f"row_gemm(warp_specialize=True): {WS_REQUIREMENTS} (compute capability {cap}, "
+            raise ValueError(f"gather_gemm(warp_specialize=True): {WS_REQUIREMENTS} (compute capability {cap}, "
                              f"gather_a={gather_a}, {a.dtype} A of shape {tuple(a.shape)})")
         return None
     return ws_call(a, weight, out, plan, epilogue=epilogue, act_id=ACTIVATION_IDS[activation],
@@ -506,12 +506,12 @@ def split_halves(halves, epilogue, activation, transpose_weight):
     takes = (epilogue == EPI_ACT_FWD and activation == "swiglu" and transpose_weight) or (
         epilogue == EPI_STORE and not transpose_weight)
     if not takes:
-        raise ValueError(f"row_gemm: a (gate, up) weight pair serves the SwiGLU forward (transpose_weight=True) and "
+        raise ValueError(f"gather_gemm: a (gate, up) weight pair serves the SwiGLU forward (transpose_weight=True) and "
                          f"a plain GEMM over both halves (transpose_weight=False), got epilogue {epilogue}, "
                          f"activation {activation!r}, transpose_weight={transpose_weight}")
     gate, up = halves
     if gate.shape != up.shape or gate.stride() != up.stride() or gate.dtype != up.dtype or gate.device != up.device:
-        raise ValueError(f"row_gemm: the gate and up halves must match in shape, strides, dtype and device; got "
+        raise ValueError(f"gather_gemm: the gate and up halves must match in shape, strides, dtype and device; got "
                          f"{tuple(gate.shape)}/{gate.stride()}/{gate.dtype}/{gate.device} and "
                          f"{tuple(up.shape)}/{up.stride()}/{up.dtype}/{up.device}")
     return gate, up
@@ -519,18 +519,18 @@ def split_halves(halves, epilogue, activation, transpose_weight):
 
 def expert_order_gemm(a, weight, plan, *, transpose_weight, n):
     """``out[r] = A[r] @ B[e(r)]`` for A already in expert order (fc2 and dX: nothing to gather,
-    no epilogue); ``weight`` as in ``row_gemm``. Rows of unused slots (past the plan's last
+    no epilogue); ``weight`` as in ``gather_gemm``. Rows of unused slots (past the plan's last
     offset) are left unwritten."""
     out = a.new_empty(a.shape[0], n)
-    row_gemm(a, weight, out, plan, transpose_weight=transpose_weight, gather_a=False, n=n)
+    gather_gemm(a, weight, out, plan, transpose_weight=transpose_weight, gather_a=False, n=n)
     return out
 
 
-def row_gemm_ds_tiles(n: int, block_n: int | None = None) -> int:
+def gather_gemm_ds_tiles(n: int, block_n: int | None = None) -> int:
     """The activation backward's router-gradient partials per row (ds_partial's width): one per
     DS_COLS columns, whichever kernel (Triton's or the warp-specialized one) runs it, or one per
     tile where the Triton kernel's tile (``block_n``; by default its config's) is narrower (the
     interpreter's)."""
     if block_n is None:
-        block_n = min(c.kwargs["BLOCK_N"] for c in prune_row_gemm(row_gemm_kernel.configs, {}, EPILOGUE=EPI_ACT_BWD))
+        block_n = min(c.kwargs["BLOCK_N"] for c in prune_gather_gemm(gather_gemm_kernel.configs, {}, EPILOGUE=EPI_ACT_BWD))
     return cdiv(n, min(DS_COLS, block_n))

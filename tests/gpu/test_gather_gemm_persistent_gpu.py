@@ -1,20 +1,20 @@
-"""The row GEMM's persistent configs on the GPU: each gives the bits of the same tiles launched one
+"""The gather GEMM's persistent configs on the GPU: each gives the bits of the same tiles launched one
 program per tile, for every epilogue (fc1 with the activation, fc2, dH with the activation
 backward, dX), weights through TMA as the autotuner runs them, on plans with more row tiles than
-multiprocessors and the awkward routings of tests/kernels/test_row_gemm_persistent.py (at GPU size:
+multiprocessors and the awkward routings of tests/kernels/test_gather_gemm_persistent.py (at GPU size:
 moe_testing.GPU_PERSISTENT_CASES). (tests/gpu runs one per-tile config for everything else,
 MOEBLAZE_AUTOTUNE=0.)"""
 
 import pytest
 import torch
 
-from moe_testing import GPU_PERSISTENT_CASES, gpu_row_config, make_topk_ids, row_gemm_layer
+from moe_testing import GPU_PERSISTENT_CASES, gpu_row_config, make_topk_ids, gather_gemm_layer
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels.configs import sm_count
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-# The persistent 128x256 entry of the row GEMM's autotuning list (BLOCK_M, BLOCK_N, warps,
+# The persistent 128x256 entry of the gather GEMM's autotuning list (BLOCK_M, BLOCK_N, warps,
 # stages), and its 128-wide twin for the SwiGLU forward.
 TILES = [(128, 256, 8, 4)]
 
@@ -29,7 +29,7 @@ def test_persistent_configs_give_the_per_tile_bits(tiles, case, activation, dtyp
     seed = hash((case, activation)) % 2**31
     # The SwiGLU forward runs at most 128 columns wide (both halves of the tile live at once).
     fc1_tiles = (tiles[0], min(tiles[1], 128), *tiles[2:]) if activation == "swiglu" else tiles
-    outputs = [row_gemm_layer(plan, tokens, d, h, activation, dtype, seed, gpu_row_config(*tiles, persistent),
+    outputs = [gather_gemm_layer(plan, tokens, d, h, activation, dtype, seed, gpu_row_config(*tiles, persistent),
                               "cuda", fc1_config=gpu_row_config(*fc1_tiles, persistent))
                for persistent in (False, True)]
     per_tile, persistent = outputs

@@ -1,6 +1,6 @@
-"""The row GEMM's fused-epilogue launches on Hopper with the epilogue in warps of its own (Gluon).
+"""The gather GEMM's fused-epilogue launches on Hopper with the epilogue in warps of its own (Gluon).
 
-``row_gemm_kernel`` runs a tile's epilogue in the warps that multiplied it, so the tensor cores
+``gather_gemm_kernel`` runs a tile's epilogue in the warps that multiplied it, so the tensor cores
 idle while the saved pre-activations are read and the results written: 23-41% of dH's time on the
 benchmarked shapes (benchmarks/NOTES.md, twenty-third session). Here one persistent program per
 multiprocessor runs two partitions on different tiles at once:
@@ -15,10 +15,10 @@ multiprocessor runs two partitions on different tiles at once:
   time. dH's saved pre-activations come by TMA into shared memory a whole tile ahead (pointer
   loads from four warps kept too few in flight: its epilogue, not its main loop, set the pace).
 
-The same k order and roundings as ``row_gemm_kernel``, so every output but the router-gradient
+The same k order and roundings as ``gather_gemm_kernel``, so every output but the router-gradient
 partials (one per 128 columns, summed in another order) is bitwise the Triton kernel's.
 ``ws_takes`` says which launches it takes, ``ws_call`` builds one; the launchers choose it under
-``KNOBS.warp_specialize`` (``row_gemm.row_gemm_call``).
+``SETTINGS.warp_specialize`` (``gather_gemm.gather_gemm_call``).
 
 Gluon has no interpreter: this path runs on Hopper GPUs only, held to the Triton kernel and to
 float64 by tests/gpu and compiled for sm_90a on the CPU by tests/scripts; the Triton kernel stays
@@ -487,7 +487,7 @@ def _epilogue_bwd(p: _Problem, s: _Shared):
 
 
 @gluon.jit
-def row_gemm_ws_kernel(
+def gather_gemm_ws_kernel(
     a_ptr, b_desc, b2_desc, pre_desc, c_ptr, pre_ptr, probs_ptr, ds_ptr, token_idx_ptr, offsets_ptr,
     N, K, E, B_ROWS, UP_OFF, stride_am, stride_cm, stride_pm, stride_dsm,
     EPILOGUE: gl.constexpr, ACT: gl.constexpr, GLU: gl.constexpr, STORE_PRE: gl.constexpr,
@@ -495,7 +495,7 @@ def row_gemm_ws_kernel(
     GROUP_M: gl.constexpr, STAGES: gl.constexpr, CHUNK: gl.constexpr, EPILOGUE_WARPS: gl.constexpr,
     EPILOGUE_REGS: gl.constexpr,
 ):
-    """C = A[src] @ B[e] per row tile with ``row_gemm_kernel``'s fused epilogues, one program per
+    """C = A[src] @ B[e] per row tile with ``gather_gemm_kernel``'s fused epilogues, one program per
     multiprocessor (K a multiple of BLOCK_K and at least (STAGES - 1) * BLOCK_K).
 
     EPILOGUE 1, the activation forward (fc1): B is [E * B_ROWS, K] (the weight's rows are the
@@ -606,7 +606,7 @@ def on_hopper(capability) -> bool:
 
 
 def ws_takes(a, weight, out, pre, epilogue, transpose_weight, capability) -> bool:
-    """Whether ``row_gemm_ws_kernel`` takes a fused-epilogue launch: a Hopper GPU (``capability``
+    """Whether ``gather_gemm_ws_kernel`` takes a fused-epilogue launch: a Hopper GPU (``capability``
     (9, x)), float16 or bfloat16 throughout, A's rows in 16-byte aligned vectors over K (a multiple
     of BLOCK_K, at least (STAGES - 1) * BLOCK_K: the loads run that far into the next tile), and
     the weight contiguous: [E, out, K] read transposed for the activation forward (a (gate, up)
@@ -631,8 +631,8 @@ def ws_takes(a, weight, out, pre, epilogue, transpose_weight, capability) -> boo
 
 def ws_call(a, weight, out, plan, *, epilogue, act_id, glu, pre, n, sm_count, store_pre=True, probs_sorted=None,
             ds_partial=None):
-    """The ``KernelCall`` of ``row_gemm_ws_kernel`` for ``row_gemm``'s fused epilogues (the
-    arguments are ``row_gemm_call``'s; ``ws_takes`` says which it takes): the activation forward
+    """The ``KernelCall`` of ``gather_gemm_ws_kernel`` for ``gather_gemm``'s fused epilogues (the
+    arguments are ``gather_gemm_call``'s; ``ws_takes`` says which it takes): the activation forward
     (``out`` = act(pre), ``pre`` stored where ``store_pre``) or backward (``out`` = p * act(pre),
     ``pre`` <- d pre, ``ds_partial`` <- the router-gradient partials)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -678,4 +678,4 @@ def ws_call(a, weight, out, plan, *, epilogue, act_id, glu, pre, n, sm_count, st
     constexprs = dict(EPILOGUE=epilogue, ACT=act_id, GLU=glu, STORE_PRE=store_pre and pre is not None,
                       E_POW2=max(next_pow2(num_experts + 1), 16), **tile, EPILOGUE_REGS=regs, num_warps=WS_WARPS,
                       maxnreg=regs)
-    return KernelCall(row_gemm_ws_kernel, (max(1, min(tiles, sm_count)),), args, constexprs)
+    return KernelCall(gather_gemm_ws_kernel, (max(1, min(tiles, sm_count)),), args, constexprs)

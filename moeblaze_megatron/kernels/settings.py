@@ -1,4 +1,4 @@
-"""The kernels' environment knobs, read once when the kernels are imported.
+"""The kernels' environment settings, read once when the kernels are imported.
 
 ``MOEBLAZE_AUTOTUNE=0``: every GEMM runs one general tile config instead of timing the list on
 the first call of each shape (seconds per shape; the tuned configs are up to ~1.5x faster).
@@ -9,18 +9,18 @@ whole set at its first call, an autotuned launch's configs before they are timed
 compile_workers.py). Default: this rank's share of the CPUs (the CPU count over torchrun's
 LOCAL_WORLD_SIZE), at most 8; 0 compiles everything in the process, one kernel after another, as
 Triton does. (It replaced ``MOEBLAZE_COMPILE_THREADS``, which is refused with a pointer here.)
-``MOEBLAZE_WARP_SPECIALIZE``: which fused-epilogue GEMMs run, on Hopper, in ``row_gemm_ws.py``'s
+``MOEBLAZE_WARP_SPECIALIZE``: which fused-epilogue GEMMs run, on Hopper, in ``gather_gemm_ws.py``'s
 Gluon kernel, whose epilogue runs in warps of its own beside the next tile's main loop, instead
 of the Triton kernel, whose epilogue runs in the warps that multiplied the tile (the same results
 but the router-gradient partials' last bits): ``fwd`` (the default: fc1 with the activation, the
 faster there on an H100), ``1`` (fc1 and dH with the activation
 backward), ``bwd`` (dH only) or ``0`` (neither), each where the layer is wide enough
-(``row_gemm.WS_MIN_COLUMNS``); benchmarks/NOTES.md has the measurements.
+(``gather_gemm.WS_MIN_COLUMNS``); benchmarks/NOTES.md has the measurements.
 ``TRITON_INTERPRET=1``: Triton runs the kernels on CPU tensors in its interpreter (how CI tests
 them); Triton itself reads it when a kernel is decorated, so it must be set before the import.
 
-``KNOBS`` holds the values; a benchmark or a test that wants another setting for a while sets
-its attribute (``KNOBS.direct_launch = False``), never the environment.
+``SETTINGS`` holds the values; a benchmark or a test that wants another setting for a while sets
+its attribute (``SETTINGS.direct_launch = False``), never the environment.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["KNOBS", "Knobs", "read_knobs"]
+__all__ = ["SETTINGS", "Settings", "read_settings"]
 
 
 def default_compile_workers(environ: Mapping[str, str] = os.environ) -> int:
@@ -39,7 +39,7 @@ def default_compile_workers(environ: Mapping[str, str] = os.environ) -> int:
 
 
 @dataclass
-class Knobs:
+class Settings:
     autotune: bool = True
     direct_launch: bool = True
     interpret: bool = False
@@ -76,12 +76,12 @@ def _count(environ: Mapping[str, str], name: str, default: int) -> int:
     return int(value)
 
 
-def read_knobs(environ: Mapping[str, str]) -> Knobs:
-    """The knobs an environment sets; a ValueError naming a knob set to something it cannot take."""
+def read_settings(environ: Mapping[str, str]) -> Settings:
+    """The settings an environment gives; a ValueError naming a variable set to something it cannot take."""
     if "MOEBLAZE_COMPILE_THREADS" in environ:
         raise ValueError("MOEBLAZE_COMPILE_THREADS is gone: compiling side by side now runs in worker processes, "
                          "set MOEBLAZE_COMPILE_WORKERS=N instead (0: compile in the process)")
-    return Knobs(
+    return Settings(
         autotune=_flag(environ, "MOEBLAZE_AUTOTUNE", "1"),
         direct_launch=_flag(environ, "MOEBLAZE_DIRECT_LAUNCH", "1"),
         warp_specialize=_choice(environ, "MOEBLAZE_WARP_SPECIALIZE", WARP_SPECIALIZE_CHOICES, "fwd"),
@@ -91,4 +91,4 @@ def read_knobs(environ: Mapping[str, str]) -> Knobs:
     )
 
 
-KNOBS = read_knobs(os.environ)
+SETTINGS = read_settings(os.environ)

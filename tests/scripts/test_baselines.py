@@ -13,7 +13,7 @@ from moe_testing import dense_moe_reference, run_distributed
 def _peer_worker(rank, world_size, port, topk):
     import os
 
-    from benchlib.peers import MegatronSequential
+    from benchlib.baselines import MegatronSequential
 
     from moeblaze_megatron.training.cpu_shims import enable_cpu_megatron
 
@@ -43,7 +43,7 @@ def test_both_grouped_mm_layouts_are_the_layer(activation):
     # bench_layer times the grouped_mm pipeline over contiguous [E, d, 2h] copies and over
     # transposed views of the layer's own weights (the faster form varies by shape): each must be
     # the same layer, with its gradients back in its own weights' layout.
-    from benchlib.peers import GroupedMM, GroupedMMViews, map_grads
+    from benchlib.baselines import GroupedMM, GroupedMMViews, map_grads
 
     g = torch.Generator().manual_seed(7)
     E, d, h, T, K = 4, 16, 24, 37, 2

@@ -13,12 +13,12 @@ import triton
 from triton.tools.ragged_tma import create_ragged_descriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moe_testing import PERSISTENT_CASES, make_topk_ids, row_gemm_layer
+from moe_testing import PERSISTENT_CASES, make_topk_ids, gather_gemm_layer
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels import configs as cf
-from moeblaze_megatron.kernels import row_gemm as rg
-from moeblaze_megatron.kernels.knobs import KNOBS
-from moeblaze_megatron.kernels.tuning import row_gemm_with
+from moeblaze_megatron.kernels import gather_gemm as rg
+from moeblaze_megatron.kernels.settings import SETTINGS
+from moeblaze_megatron.kernels.tuning import gather_gemm_with
 
 CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4)
 
@@ -46,14 +46,14 @@ def test_every_epilogue_matches_pointer_loads(dtype, activation, config):
         kw = dict(plan=plan, tma_weight=tma)
         nan = lambda *shape: torch.full(shape, float("nan"), dtype=dtype)  # noqa: E731
         pre, hid, out2, hs, dx = nan(T * K, width), nan(T * K, h), nan(T * K, d), nan(T * K, h), nan(T * K, d)
-        row_gemm_with(config, x, fc1, hid, transpose_weight=True, epilogue=rg.EPI_ACT_FWD, activation=activation,
+        gather_gemm_with(config, x, fc1, hid, transpose_weight=True, epilogue=rg.EPI_ACT_FWD, activation=activation,
                       pre=pre, n=h, **kw)
-        row_gemm_with(config, hid, fc2, out2, transpose_weight=True, gather_a=False, n=d, **kw)
+        gather_gemm_with(config, hid, fc2, out2, transpose_weight=True, gather_a=False, n=d, **kw)
         dpre = pre.clone()
-        ds = torch.zeros(T * K, rg.row_gemm_ds_tiles(h))
-        row_gemm_with(config, dy, fc2, hs, transpose_weight=False, epilogue=rg.EPI_ACT_BWD, activation=activation,
+        ds = torch.zeros(T * K, rg.gather_gemm_ds_tiles(h))
+        gather_gemm_with(config, dy, fc2, hs, transpose_weight=False, epilogue=rg.EPI_ACT_BWD, activation=activation,
                       pre=dpre, probs_sorted=probs, ds_partial=ds, n=h, **kw)
-        row_gemm_with(config, dpre, fc1, dx, transpose_weight=False, gather_a=False, n=d, **kw)
+        gather_gemm_with(config, dpre, fc1, dx, transpose_weight=False, gather_a=False, n=d, **kw)
         results.append((pre, hid, out2, dpre, hs, ds, dx))
     for plain, tma in zip(*results):
         assert torch.isfinite(tma).all()
@@ -73,7 +73,7 @@ def test_rows_through_descriptors_give_the_pointer_bits(case, persistent, activa
     config = triton.Config({**CONFIG.kwargs, "PERSISTENT": persistent}, num_warps=4)
     seed = hash((case, activation)) % 2**31
     # d = 40, h = 24: neither a multiple of the 16-wide tile.
-    pointers, descriptors = (row_gemm_layer(plan, tokens, 40, 24, activation, dtype, seed, config, tma_rows=tma)
+    pointers, descriptors = (gather_gemm_layer(plan, tokens, 40, 24, activation, dtype, seed, config, tma_rows=tma)
                              for tma in (False, True))
     used = int(plan.expert_token_offsets[-1])
     for want, got in zip(pointers, descriptors):
@@ -91,7 +91,7 @@ def test_rows_through_descriptors_leave_an_outputs_columns_past_n_alone():
     outs = []
     for tma in (False, True):
         out = torch.full((T, n + 24), float("nan"))
-        row_gemm_with(CONFIG, a, w, out, plan, transpose_weight=True, gather_a=False, n=n, tma_rows=tma)
+        gather_gemm_with(CONFIG, a, w, out, plan, transpose_weight=True, gather_a=False, n=n, tma_rows=tma)
         outs.append(out)
     used = int(plan.expert_token_offsets[-1])
     assert torch.equal(outs[1][:used, :n], outs[0][:used, :n]) and not outs[1][:used, :n].isnan().any()
@@ -107,10 +107,10 @@ def test_tma_rows_refuses_what_a_descriptor_cannot_take(why):
     kw = dict(plan=plan, transpose_weight=True, n=n, tma_rows=True)
     with pytest.raises(ValueError, match=r"tma_rows=True.*plain GEMM"):
         if why == "activation_forward":
-            row_gemm_with(CONFIG, a, torch.randn(E, n, d), out, epilogue=rg.EPI_ACT_FWD, activation="gelu",
+            gather_gemm_with(CONFIG, a, torch.randn(E, n, d), out, epilogue=rg.EPI_ACT_FWD, activation="gelu",
                           gather_a=False, pre=torch.empty(T, n), **kw)
         else:
-            row_gemm_with(CONFIG, a, torch.randn(E, n, d), out, gather_a=why == "gathered_a", **kw)
+            gather_gemm_with(CONFIG, a, torch.randn(E, n, d), out, gather_a=why == "gathered_a", **kw)
 
 
 @pytest.mark.parametrize("case", ["large", "small", "misaligned_out", "gathered_a", "no_rows"])
@@ -124,7 +124,7 @@ def test_default_takes_descriptors_for_large_plain_gemms_in_expert_order(case, m
     monkeypatch.setattr(rg, "launch_call", lambda call: taken.append(
         (call.constexprs["TMA_ROWS"], isinstance(call.args[0], TensorDescriptor),
          isinstance(call.args[3], TensorDescriptor))))
-    rg.row_gemm(torch.randn(T, k), torch.randn(E, n, k), out, plan, transpose_weight=True, n=n,
+    rg.gather_gemm(torch.randn(T, k), torch.randn(E, n, k), out, plan, transpose_weight=True, n=n,
                 gather_a=case == "gathered_a")
     assert taken == [(case == "large",) * 3]
 
@@ -134,7 +134,7 @@ def test_tma_weight_refuses_what_a_descriptor_cannot_take():
     x = torch.randn(2, 16)
     strided = torch.randn(2, 16, 32)[:, :, ::2]
     with pytest.raises(ValueError, match="weight must be on a GPU .* unit last stride"):
-        row_gemm_with(CONFIG, x, strided, torch.empty(2, 16), plan, transpose_weight=True, n=16, tma_weight=True)
+        gather_gemm_with(CONFIG, x, strided, torch.empty(2, 16), plan, transpose_weight=True, n=16, tma_weight=True)
 
 
 @pytest.mark.parametrize("weight", ["contiguous", "strided", "misaligned"])
@@ -146,19 +146,19 @@ def test_default_reads_the_weight_through_tma_where_it_can(weight, monkeypatch):
     taken = []
     monkeypatch.setattr(rg, "launch_call", lambda call: taken.append(
         (call.constexprs["TMA_B"], isinstance(call.args[1], TensorDescriptor))))
-    rg.row_gemm(x, w, torch.empty(3, 16), plan, transpose_weight=True, n=16)
+    rg.gather_gemm(x, w, torch.empty(3, 16), plan, transpose_weight=True, n=16)
     assert taken == [(weight == "contiguous",) * 2]
 
 
 def test_every_autotuned_row_config_sizes_the_weight_box(monkeypatch):
-    monkeypatch.setattr(KNOBS, "interpret", False)
-    monkeypatch.setattr(KNOBS, "autotune", True)
-    configs = cf.row_gemm_configs()
+    monkeypatch.setattr(SETTINGS, "interpret", False)
+    monkeypatch.setattr(SETTINGS, "autotune", True)
+    configs = cf.gather_gemm_configs()
     assert len(configs) > 1
     w = torch.randn(3, 32, 64)
     rows = torch.randn(40, 32)
     for config in configs:
-        assert config.pre_hook is cf.set_row_gemm_boxes
+        assert config.pre_hook is cf.set_gather_gemm_boxes
         bm, bk, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_K"], config.kwargs["BLOCK_N"]
         for desc, trans, box in ((TensorDescriptor.from_tensor(w.view(3, 2, 16, 64), [1, 2, 8, 8]), True,
                                   [1, 2, bn, bk]),
@@ -196,7 +196,7 @@ def test_layer_with_descriptors_is_bitwise_the_pointer_form(monkeypatch, dtype, 
     monkeypatch.setattr(rg, "TMA_ROWS_MIN_FLOPS", 0)  # every plain GEMM in expert order, however small
     takes = cf.tma_takes
     for descriptors in (False, True):
-        # The weight's check in row_gemm and the ragged descriptors' (rows, weight gradients) in configs.
+        # The weight's check in gather_gemm and the ragged descriptors' (rows, weight gradients) in configs.
         for module in (rg, cf):
             monkeypatch.setattr(module, "tma_takes", takes if descriptors else lambda t: False)
         leaves = [t.clone().requires_grad_() for t in (x, probs, fc1, fc2)]

@@ -1,4 +1,4 @@
-"""The row GEMM on a weight given as two tensors (torchtitan's w1 and w3): the SwiGLU forward
+"""The gather GEMM on a weight given as two tensors (torchtitan's w1 and w3): the SwiGLU forward
 with gate and up read from their own tensors, and the plain GEMM reducing over both halves (dX),
 against a float64 oracle, through pointers and TMA descriptors, on awkward plans (empty experts,
 unused slots, every token on one expert, top-1, K = E) and widths off the tile; bitwise the
@@ -13,7 +13,7 @@ import torch
 from moe_testing import make_topk_ids, rel_error
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.fused import fused_backward, fused_forward
-from moeblaze_megatron.kernels import row_gemm as rg
+from moeblaze_megatron.kernels import gather_gemm as rg
 
 # (kind, T, E, K, F): F = 32 is two of the interpreter's 16-wide tiles, 24 is not a multiple.
 CASES = [("random", 37, 5, 2, 32), ("empty_experts", 50, 8, 2, 24), ("unused", 41, 6, 3, 32),
@@ -51,10 +51,10 @@ def test_halves_match_float64_and_the_stacked_weight(kind, T, E, K, F, dtype, tm
     results = []
     for weight in ((w1, w3), torch.cat([w1, w3], dim=1)):
         pre, h, dx = _nan(rows, 2 * F, dtype=dtype), _nan(rows, F, dtype=dtype), _nan(rows, d, dtype=dtype)
-        rg.row_gemm(x, weight, h, plan, transpose_weight=True, epilogue=rg.EPI_ACT_FWD, activation="swiglu",
+        rg.gather_gemm(x, weight, h, plan, transpose_weight=True, epilogue=rg.EPI_ACT_FWD, activation="swiglu",
                     pre=pre, n=F, tma_weight=bool(tma))
         # "rows": dX's A (both halves' columns) and output through ragged descriptors too.
-        rg.row_gemm(grad_pre, weight, dx, plan, transpose_weight=False, gather_a=False, n=d, tma_weight=bool(tma),
+        rg.gather_gemm(grad_pre, weight, dx, plan, transpose_weight=False, gather_a=False, n=d, tma_weight=bool(tma),
                     tma_rows=tma == "rows" and plan.expert_token_offsets[-1].item() > 0)
         results.append((pre, h, dx))
     (pre, h, dx), stacked = results
@@ -104,14 +104,14 @@ def test_halves_refused_where_no_launch_takes_them():
     rows = plan.expert_token_indices.shape[0]
     out = torch.empty(rows, 16)
     with pytest.raises(ValueError, match="gate, up.*SwiGLU forward.*got epilogue 1, activation 'gelu'"):
-        rg.row_gemm(x, (w1, w3), out, plan, transpose_weight=True, epilogue=rg.EPI_ACT_FWD, activation="gelu", n=16)
+        rg.gather_gemm(x, (w1, w3), out, plan, transpose_weight=True, epilogue=rg.EPI_ACT_FWD, activation="gelu", n=16)
     with pytest.raises(ValueError, match="got epilogue 0.*transpose_weight=True"):
-        rg.row_gemm(x, (w1, w3), out, plan, transpose_weight=True, n=16)
+        rg.gather_gemm(x, (w1, w3), out, plan, transpose_weight=True, n=16)
     with pytest.raises(ValueError, match="must match in shape, strides, dtype and device"):
-        rg.row_gemm(x, (w1, w3[:, :8]), out, plan, transpose_weight=True, epilogue=rg.EPI_ACT_FWD, n=16)
+        rg.gather_gemm(x, (w1, w3[:, :8]), out, plan, transpose_weight=True, epilogue=rg.EPI_ACT_FWD, n=16)
     # dX over halves of 16 rows each needs A 32 wide.
     with pytest.raises(ValueError, match=r"each half of the weight pair must be \[E, 15, 40\] for A of width 30"):
-        rg.row_gemm(torch.randn(rows, 30), (w1, w3), torch.empty(rows, 40), plan, transpose_weight=False,
+        rg.gather_gemm(torch.randn(rows, 30), (w1, w3), torch.empty(rows, 40), plan, transpose_weight=False,
                     gather_a=False, n=40)
     with pytest.raises(ValueError, match=r"must be \[E, 8, 40\].*got \(3, 16, 40\)"):
-        rg.row_gemm(x, (w1, w3), out, plan, transpose_weight=True, epilogue=rg.EPI_ACT_FWD, n=8)
+        rg.gather_gemm(x, (w1, w3), out, plan, transpose_weight=True, epilogue=rg.EPI_ACT_FWD, n=8)

@@ -1,4 +1,4 @@
-"""The row GEMM's persistent launch (one program per multiprocessor looping over the row tiles,
+"""The gather GEMM's persistent launch (one program per multiprocessor looping over the row tiles,
 ``PERSISTENT``): every epilogue gives the one-program-per-tile launch's bits under the
 interpreter, on plans with experts that get no rows, unused slots (their rows must stay
 unwritten), every token on the same K experts, K = E and no tokens at all; fewer programs than tiles, so
@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 
-from moe_testing import PERSISTENT_CASES, make_topk_ids, row_gemm_layer
+from moe_testing import PERSISTENT_CASES, make_topk_ids, gather_gemm_layer
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels.configs import sm_count
 
@@ -28,8 +28,8 @@ def test_persistent_launch_gives_the_per_tile_launchs_bits(case, activation, dty
     plan = build_routing_plan(topk_ids, E)
     gen = hash((case, activation)) % 2**31
     # d = 40, h = 24: neither a multiple of the 16-wide tile.
-    per_tile = row_gemm_layer(plan, tokens, 40, 24, activation, dtype, gen, _config(False))
-    persistent = row_gemm_layer(plan, tokens, 40, 24, activation, dtype, gen, _config(True))
+    per_tile = gather_gemm_layer(plan, tokens, 40, 24, activation, dtype, gen, _config(False))
+    persistent = gather_gemm_layer(plan, tokens, 40, 24, activation, dtype, gen, _config(True))
     used = int(plan.expert_token_offsets[-1])
     row_tiles = sum(-(-n // 16) for n in plan.expert_token_offsets.diff().tolist())
     assert used == 0 or row_tiles > sm_count(torch.device("cpu"))  # programs loop over tiles

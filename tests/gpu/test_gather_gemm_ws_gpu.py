@@ -1,11 +1,11 @@
-"""The warp-specialized fused epilogues (kernels/row_gemm_ws.py, Gluon, Hopper only) against the
+"""The warp-specialized fused epilogues (kernels/gather_gemm_ws.py, Gluon, Hopper only) against the
 Triton kernel they stand in for and against float64. The activation backward (128 x 128 tiles, the
 saved pre-activations by TMA): d pre and p * act(pre) bitwise the Triton kernel's 128 x 256 tiles'
 (the same k order and roundings per element), the router-gradient partials' row sums to the
 float64 value within float32 rounding. The activation forward (fc1,
 stacked or as torchtitan's gate and up halves): pre and act(pre) bitwise the Triton kernel's.
 Every unused slot's row left unwritten, and the same bits run to run. Awkward plans as in
-test_row_gemm_persistent_gpu.py (empty experts, every token on the same experts, K = E, unused
+test_gather_gemm_persistent_gpu.py (empty experts, every token on the same experts, K = E, unused
 slots, no tokens), widths off the 128- and 256-column tiles and more tiles than multiprocessors; then the
 fused layer's forward and backward with the knob on against it off."""
 
@@ -14,8 +14,8 @@ import torch
 
 from moe_testing import GPU_PERSISTENT_CASES, make_topk_ids
 from moeblaze_megatron import build_routing_plan
-from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD, EPI_ACT_FWD, row_gemm, row_gemm_ds_tiles
-from moeblaze_megatron.kernels.row_gemm_ws import on_hopper
+from moeblaze_megatron.kernels.gather_gemm import EPI_ACT_BWD, EPI_ACT_FWD, gather_gemm, gather_gemm_ds_tiles
+from moeblaze_megatron.kernels.gather_gemm_ws import on_hopper
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not on_hopper(torch.cuda.get_device_capability()),
                                 reason="needs a Hopper GPU")
@@ -32,8 +32,8 @@ def _act_bwd(plan, dy, fc2, pre_saved, probs_sorted, activation, warp_specialize
     rows, h = plan.expert_token_indices.shape[0], fc2.shape[2]
     pre = pre_saved.clone()
     h_scaled = torch.full((rows, h), float("nan"), dtype=dy.dtype, device=dy.device)
-    ds = torch.full((rows, row_gemm_ds_tiles(h)), float("nan"), dtype=torch.float32, device=dy.device)
-    row_gemm(dy, fc2, h_scaled, plan, transpose_weight=False, epilogue=EPI_ACT_BWD, activation=activation,
+    ds = torch.full((rows, gather_gemm_ds_tiles(h)), float("nan"), dtype=torch.float32, device=dy.device)
+    gather_gemm(dy, fc2, h_scaled, plan, transpose_weight=False, epilogue=EPI_ACT_BWD, activation=activation,
              gather_a=True, pre=pre, probs_sorted=probs_sorted, ds_partial=ds, n=h, warp_specialize=warp_specialize)
     return h_scaled, pre, ds
 
@@ -101,7 +101,7 @@ def _act_fwd(plan, x, fc1, activation, n, store_pre, warp_specialize):
     width = 2 * n if activation == "swiglu" else n
     nan = lambda *shape: torch.full(shape, float("nan"), dtype=x.dtype, device=x.device)  # noqa: E731
     pre, h = nan(rows, width), nan(rows, n)
-    row_gemm(x, fc1, h, plan, transpose_weight=True, epilogue=EPI_ACT_FWD, activation=activation, gather_a=True,
+    gather_gemm(x, fc1, h, plan, transpose_weight=True, epilogue=EPI_ACT_FWD, activation=activation, gather_a=True,
              pre=pre if store_pre else None, store_pre=store_pre, n=n, warp_specialize=warp_specialize)
     return h, pre
 
@@ -158,8 +158,8 @@ def test_the_layer_with_warp_specialized_epilogues(monkeypatch, activation, halv
     (the fused epilogues give the same bits), the router-probability gradient within float32
     rounding (its partials sum in another order)."""
     from moeblaze_megatron.fused import fused_backward, fused_forward
-    from moeblaze_megatron.kernels import row_gemm as row_gemm_module
-    from moeblaze_megatron.kernels.knobs import KNOBS
+    from moeblaze_megatron.kernels import gather_gemm as gather_gemm_module
+    from moeblaze_megatron.kernels.settings import SETTINGS
 
     torch.manual_seed(7)
     T, d, h, E, K = 3000, 384, 320, 16, 4
@@ -173,8 +173,8 @@ def test_the_layer_with_warp_specialized_epilogues(monkeypatch, activation, halv
     gy = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
 
     def run(warp_specialize):
-        monkeypatch.setattr(KNOBS, "warp_specialize", frozenset({"fwd", "bwd"} if warp_specialize else ()))
-        monkeypatch.setattr(row_gemm_module, "WS_MIN_COLUMNS", {EPI_ACT_FWD: 0, EPI_ACT_BWD: 0})  # h = 320 here
+        monkeypatch.setattr(SETTINGS, "warp_specialize", frozenset({"fwd", "bwd"} if warp_specialize else ()))
+        monkeypatch.setattr(gather_gemm_module, "WS_MIN_COLUMNS", {EPI_ACT_FWD: 0, EPI_ACT_BWD: 0})  # h = 320 here
         y, probs_sorted, pre = fused_forward(x, probs, weight, fc2, plan, activation, save_pre=True)
         gx, gp, g1, g2 = fused_backward(gy, x, probs_sorted, weight, fc2, plan, activation, pre, (True,) * 4)
         return y, gx, gp, torch.cat(g1, dim=1) if isinstance(g1, tuple) else g1, g2
@@ -193,11 +193,11 @@ def test_by_default_the_wide_activation_forwards_run_warp_specialized(monkeypatc
     WS_MIN_COLUMNS output columns on (the faster there in the layer, benchmarks/NOTES.md), in the
     Triton kernel below; dH with the activation backward in the Triton kernel. With "1", dH in the
     Gluon kernel at every width."""
-    from moeblaze_megatron.kernels.knobs import KNOBS, read_knobs
-    from moeblaze_megatron.kernels.row_gemm import WS_MIN_COLUMNS, row_gemm_call, row_gemm_kernel
-    from moeblaze_megatron.kernels.row_gemm_ws import row_gemm_ws_kernel
+    from moeblaze_megatron.kernels.settings import SETTINGS, read_settings
+    from moeblaze_megatron.kernels.gather_gemm import WS_MIN_COLUMNS, gather_gemm_call, gather_gemm_kernel
+    from moeblaze_megatron.kernels.gather_gemm_ws import gather_gemm_ws_kernel
 
-    assert read_knobs({}).warp_specialize == {"fwd"}
+    assert read_settings({}).warp_specialize == {"fwd"}
     plan = build_routing_plan(torch.randn(64, 4, device="cuda").topk(2, dim=1).indices, 4)
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     rows = plan.expert_token_indices.shape[0]
@@ -206,14 +206,14 @@ def test_by_default_the_wide_activation_forwards_run_warp_specialized(monkeypatc
         h, pre = x.new_empty(rows, n), x.new_empty(rows, 2 * n)
         fc1 = torch.randn(4, 2 * n, 256, device="cuda").to(x.dtype)
         fc2 = torch.randn(4, 256, n, device="cuda").to(x.dtype)
-        fwd = row_gemm_call(x, fc1, h, plan, transpose_weight=True, epilogue=EPI_ACT_FWD, activation="swiglu",
+        fwd = gather_gemm_call(x, fc1, h, plan, transpose_weight=True, epilogue=EPI_ACT_FWD, activation="swiglu",
                             gather_a=True, pre=pre, n=n)
-        bwd = row_gemm_call(x, fc2, h, plan, transpose_weight=False, epilogue=EPI_ACT_BWD, activation="swiglu",
+        bwd = gather_gemm_call(x, fc2, h, plan, transpose_weight=False, epilogue=EPI_ACT_BWD, activation="swiglu",
                             gather_a=True, pre=pre, probs_sorted=x.new_empty(rows),
-                            ds_partial=torch.empty(rows, row_gemm_ds_tiles(n), device="cuda"), n=n)
+                            ds_partial=torch.empty(rows, gather_gemm_ds_tiles(n), device="cuda"), n=n)
         return fwd.kernel, bwd.kernel
 
-    assert kernels(WS_MIN_COLUMNS[EPI_ACT_FWD]) == (row_gemm_ws_kernel, row_gemm_kernel)
-    assert kernels(WS_MIN_COLUMNS[EPI_ACT_FWD] - 128) == (row_gemm_kernel, row_gemm_kernel)
-    monkeypatch.setattr(KNOBS, "warp_specialize", read_knobs({"MOEBLAZE_WARP_SPECIALIZE": "1"}).warp_specialize)
-    assert kernels(256) == (row_gemm_kernel, row_gemm_ws_kernel)
+    assert kernels(WS_MIN_COLUMNS[EPI_ACT_FWD]) == (gather_gemm_ws_kernel, gather_gemm_kernel)
+    assert kernels(WS_MIN_COLUMNS[EPI_ACT_FWD] - 128) == (gather_gemm_kernel, gather_gemm_kernel)
+    monkeypatch.setattr(SETTINGS, "warp_specialize", read_settings({"MOEBLAZE_WARP_SPECIALIZE": "1"}).warp_specialize)
+    assert kernels(256) == (gather_gemm_kernel, gather_gemm_ws_kernel)

@@ -1,7 +1,7 @@
 """The warp-specialized fused epilogues' host side on the CPU: which launches they take, their
 knob, and how the launch path treats a Gluon kernel. (The kernel itself has no interpreter: it is
 compiled for sm_90a in tests/scripts/test_compile_report.py and run on the GPU in
-tests/gpu/test_row_gemm_ws_gpu.py.)"""
+tests/gpu/test_gather_gemm_ws_gpu.py.)"""
 
 import pytest
 import torch
@@ -9,16 +9,16 @@ import torch
 from moeblaze_megatron import build_routing_plan
 from moeblaze_megatron.kernels import launch
 from moeblaze_megatron.kernels.configs import DS_COLS
-from moeblaze_megatron.kernels.knobs import read_knobs
-from moeblaze_megatron.kernels.row_gemm import (
+from moeblaze_megatron.kernels.settings import read_settings
+from moeblaze_megatron.kernels.gather_gemm import (
     EPI_ACT_BWD,
     EPI_ACT_FWD,
     EPI_STORE,
-    row_gemm_call,
-    row_gemm_ds_tiles,
-    row_gemm_kernel,
+    gather_gemm_call,
+    gather_gemm_ds_tiles,
+    gather_gemm_kernel,
 )
-from moeblaze_megatron.kernels.row_gemm_ws import WS_TILES, row_gemm_ws_kernel, ws_call, ws_takes
+from moeblaze_megatron.kernels.gather_gemm_ws import WS_TILES, gather_gemm_ws_kernel, ws_call, ws_takes
 
 HOPPER = (9, 0)
 
@@ -31,18 +31,18 @@ def _tensors(d=256, h=256, E=4, T=64, dtype=torch.bfloat16):
     dy = torch.randn(T, d).to(dtype)
     fc2 = torch.randn(E, d, h).to(dtype)
     out, pre = torch.empty(rows, h, dtype=dtype), torch.empty(rows, 2 * h, dtype=dtype)
-    probs, ds = torch.empty(rows, dtype=dtype), torch.empty(rows, row_gemm_ds_tiles(h))
+    probs, ds = torch.empty(rows, dtype=dtype), torch.empty(rows, gather_gemm_ds_tiles(h))
     return plan, dy, fc2, out, pre, probs, ds
 
 
 def test_the_knob():
     # The activation forward by default (the faster there on every benchmarked shape), dH not.
-    assert read_knobs({}).warp_specialize == {"fwd"}
-    assert read_knobs({"MOEBLAZE_WARP_SPECIALIZE": "1"}).warp_specialize == {"fwd", "bwd"}
-    assert read_knobs({"MOEBLAZE_WARP_SPECIALIZE": "bwd"}).warp_specialize == {"bwd"}
-    assert read_knobs({"MOEBLAZE_WARP_SPECIALIZE": "0"}).warp_specialize == set()
+    assert read_settings({}).warp_specialize == {"fwd"}
+    assert read_settings({"MOEBLAZE_WARP_SPECIALIZE": "1"}).warp_specialize == {"fwd", "bwd"}
+    assert read_settings({"MOEBLAZE_WARP_SPECIALIZE": "bwd"}).warp_specialize == {"bwd"}
+    assert read_settings({"MOEBLAZE_WARP_SPECIALIZE": "0"}).warp_specialize == set()
     with pytest.raises(ValueError, match="MOEBLAZE_WARP_SPECIALIZE must be one of 0, fwd, bwd, 1, got 'yes'"):
-        read_knobs({"MOEBLAZE_WARP_SPECIALIZE": "yes"})
+        read_settings({"MOEBLAZE_WARP_SPECIALIZE": "yes"})
 
 
 def test_which_act_bwd_launches_it_takes():
@@ -88,7 +88,7 @@ def test_the_launch_names_the_tile_the_partials_are_sized_for():
     ds = torch.empty(pre.shape[0], 3)  # one partial per 128 columns, as on the GPU
     call = ws_call(dy, fc2, out, plan, epilogue=EPI_ACT_BWD, act_id=0, glu=True, pre=pre, probs_sorted=probs,
                    ds_partial=ds, n=320, sm_count=132)
-    assert call.kernel is row_gemm_ws_kernel
+    assert call.kernel is gather_gemm_ws_kernel
     # DS_COLS wide, half the Triton kernel's tile, which writes two partials: one layout either way.
     assert call.constexprs["BLOCK_N"] == DS_COLS == 128 and call.constexprs["STAGES"] == 4
     with pytest.raises(ValueError, match="ds_partial must have at least 3 columns"):
@@ -130,7 +130,7 @@ def test_without_a_hopper_gpu_the_triton_kernel_runs_the_fused_epilogues(epilogu
     else:
         weight, args = fc2, dict(transpose_weight=False, pre=pre, probs_sorted=probs, ds_partial=ds)
     args.update(epilogue=epilogue, activation="swiglu", n=256)
-    assert row_gemm_call(dy, weight, out, plan, **args).kernel is row_gemm_kernel
-    assert row_gemm_call(dy, weight, out, plan, warp_specialize=False, **args).kernel is row_gemm_kernel
+    assert gather_gemm_call(dy, weight, out, plan, **args).kernel is gather_gemm_kernel
+    assert gather_gemm_call(dy, weight, out, plan, warp_specialize=False, **args).kernel is gather_gemm_kernel
     with pytest.raises(ValueError, match="warp-specialized fused epilogues run on a GPU"):
-        row_gemm_call(dy, weight, out, plan, warp_specialize=True, **args)
+        gather_gemm_call(dy, weight, out, plan, warp_specialize=True, **args)

@@ -1,4 +1,4 @@
-"""The row GEMM's activation-backward epilogue (dH = dY[token] @ fc2[e], then d pre in place of the
+"""The gather GEMM's activation-backward epilogue (dH = dY[token] @ fc2[e], then d pre in place of the
 saved pre-activations, p * act(pre) for dW2 and the router-probability partials) at every tile
 width it can run, against float64 under the interpreter: the GPU's 256-wide tile runs its epilogue
 in four 64-column chunks, the 128-wide one in two, narrower ones in one; widths that are not
@@ -12,8 +12,8 @@ import triton
 
 from moe_testing import check_saturated_activations, rel_error
 from moeblaze_megatron import build_routing_plan
-from moeblaze_megatron.kernels.row_gemm import EPI_ACT_BWD, row_gemm_ds_tiles
-from moeblaze_megatron.kernels.tuning import row_gemm_with
+from moeblaze_megatron.kernels.gather_gemm import EPI_ACT_BWD, gather_gemm_ds_tiles
+from moeblaze_megatron.kernels.tuning import gather_gemm_with
 
 
 def _reference(dy, fc2, pre, probs, plan, h, activation):
@@ -60,9 +60,9 @@ def test_activation_backward_matches_float64_at_every_tile_width(block_n, activa
     probs = torch.rand(rows_total, generator=gen).to(dtype)
     d_pre = pre.clone()
     c = torch.full((rows_total, h), float("nan"), dtype=dtype)
-    ds = torch.full((rows_total, row_gemm_ds_tiles(h, block_n)), float("nan"))
+    ds = torch.full((rows_total, gather_gemm_ds_tiles(h, block_n)), float("nan"))
     config = triton.Config({"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4)
-    row_gemm_with(config, dy, fc2, c, plan, transpose_weight=False, epilogue=EPI_ACT_BWD, activation=activation,
+    gather_gemm_with(config, dy, fc2, c, plan, transpose_weight=False, epilogue=EPI_ACT_BWD, activation=activation,
                   pre=d_pre, probs_sorted=probs, ds_partial=ds, n=h)
     want_pre, want_c, want_ds = _reference(dy, fc2, pre, probs, plan, h, activation)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
