@@ -13,15 +13,19 @@ __all__ = [
     "BACKENDS",
     "EP_MODES",
     "MoEBlazeConfig",
+    "OptionError",
     "RECOMPUTE_MODES",
     "RING_CHOICES",
     "RING_MODES",
     "ROUTING_METHODS",
     "activation_name",
     "activation_problem",
+    "check_option",
     "expert_bias_problem",
     "expert_tp_problem",
     "get_moeblaze_config",
+    "ring_recompute_problem",
+    "saves_pre_activations",
     "set_moeblaze_config",
 ]
 
@@ -41,6 +45,48 @@ RING_MODES = ("expert", "token")
 # The ring option: one of the rings, or per layer the one that moves fewer bytes.
 RING_CHOICES = ("auto", *RING_MODES)
 
+# Every option and the choices it takes: the one declaration the checks below, the op's
+# arguments and the command line's help read.
+OPTION_CHOICES = {
+    "recompute": RECOMPUTE_MODES,
+    "routing_method": ROUTING_METHODS,
+    "backend": BACKENDS,
+    "ep_mode": EP_MODES,
+    "ring_mode": RING_CHOICES,
+}
+
+
+class OptionError(ValueError):
+    """An option given a value it does not take: ``option`` (a ``MoEBlazeConfig`` field), its
+    ``value``, and ``choices`` where the value is not among them (None where the value breaks a
+    rule between options), so that a command line can name its own flag instead."""
+
+    def __init__(self, message: str, option: str, value, choices: tuple | None = None):
+        super().__init__(message)
+        self.option, self.value, self.choices = option, value, choices
+
+
+def check_option(option: str, value) -> None:
+    """Raise an ``OptionError`` unless ``value`` is one of ``option``'s choices."""
+    allowed = OPTION_CHOICES[option]
+    if value not in allowed:
+        raise OptionError(f"{option} must be one of {allowed}, got {value!r}", option, value, allowed)
+
+
+def saves_pre_activations(recompute: str) -> bool:
+    """Whether the experts keep their pre-activations for backward (else fc1 is recomputed)."""
+    return recompute == "activation"
+
+
+def ring_recompute_problem(ep_mode: str, recompute: str) -> str | None:
+    """Why ``ep_mode`` cannot honour ``recompute`` (None: it can). RelayMoE's ring keeps only the
+    layer input for backward and recomputes each hop's first GEMM there: it cannot keep the
+    pre-activations, so a mode that may run a ring needs recompute='fc1'."""
+    if ep_mode in ("ring", "auto") and recompute == "activation":
+        return (f"ep_mode={ep_mode!r} needs recompute='fc1' (--moeblaze-recompute fc1): the ring recomputes "
+                "each hop's first GEMM in backward and keeps no pre-activations; or use ep_mode='alltoall'")
+    return None
+
 
 @dataclass(frozen=True)
 class MoEBlazeConfig:
@@ -55,7 +101,8 @@ class MoEBlazeConfig:
     ep_mode: with expert parallelism, ``"alltoall"`` (each token sent once per destination rank),
         ``"ring"`` (RelayMoE's ring: no dispatch buffer, only the layer input kept for backward) or
         ``"auto"`` (per layer, the alltoall exchange or a ring, whichever moves fewer bytes in a
-        training step, from shapes alone; ``parallel.traffic``).
+        training step, from shapes alone; ``parallel.traffic``). The ring recomputes each hop's
+        first GEMM in backward: ``"ring"`` and ``"auto"`` take ``recompute="fc1"`` only.
     ring_mode: which ring runs: ``"expert"`` (the weight shards travel), ``"token"`` (the token
         blocks travel) or ``"auto"`` (per layer, the one that moves fewer bytes).
     """
@@ -67,15 +114,18 @@ class MoEBlazeConfig:
     ring_mode: str = "auto"
 
     def __post_init__(self):
-        for name, allowed in (
-            ("recompute", RECOMPUTE_MODES),
-            ("routing_method", ROUTING_METHODS),
-            ("backend", BACKENDS),
-            ("ep_mode", EP_MODES),
-            ("ring_mode", RING_CHOICES),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"MoEBlazeConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        # The one place the options are checked: the command line and the torchtitan override
+        # build this, and report an OptionError under their own names for the option.
+        for option in OPTION_CHOICES:
+            check_option(option, getattr(self, option))
+        problem = ring_recompute_problem(self.ep_mode, self.recompute)
+        if problem is not None:
+            raise OptionError(problem, "ep_mode", self.ep_mode)
+
+    @property
+    def saves_pre_activations(self) -> bool:
+        """Whether the experts keep their pre-activations for backward."""
+        return saves_pre_activations(self.recompute)
 
 
 def get_moeblaze_config(config) -> MoEBlazeConfig:

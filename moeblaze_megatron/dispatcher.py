@@ -4,12 +4,13 @@ The router gives a dense ``routing_map`` [T, E] and ``probs`` [T, E]; the dispat
 into top-k ids and probabilities [T, K] and, instead of permuting tokens into a (T*K, d) buffer,
 hands the experts the hidden states as they are plus a routing plan (integer index maps).
 
-How the plan reaches the experts: ``MoELayer`` calls
+How the routing reaches the experts: ``MoELayer`` calls
 ``experts(tokens, tokens_per_expert, permuted_probs)`` with whatever ``dispatch_postprocess``
 returned. This dispatcher returns ``(hidden [N, d], ExpertRouting, topk_probs [N, K])``: the
-``tokens_per_expert`` slot carries an ``ExpertRouting`` (the local top-k ids and their plan, with
-the per-expert counts as ``.tokens_per_expert``). Data flows through the call arguments only, so
-activation recomputation (``moe_layer_recompute``) re-runs it like any other forward.
+``tokens_per_expert`` slot carries a ``parallel.moe.ExpertRouting`` (the rows' top-k ids, the mode
+that runs, with the per-expert counts as ``.tokens_per_expert``); the experts build the routing
+plan. Data flows through the call arguments only, so activation recomputation
+(``moe_layer_recompute``) re-runs it like any other forward.
 ``MoEBlazeGroupedMLP`` returns the combined output per row [N, d], so ``combine_preprocess`` has
 nothing left to do.
 
@@ -21,43 +22,22 @@ nothing left to do.
   global expert ids, and the experts run RelayMoE's ring over the expert-parallel group
   (``parallel.ring``).
 
-``ep_mode="auto"`` picks, at each forward, the mode that sends fewer bytes per training step
-(``parallel.traffic``) from the group's mean token count (a small all-gather, so that every rank
-picks alike).
+The mode is resolved once per forward, in ``dispatch_preprocess``, by the expert-parallel front's
+rule (``parallel.moe.resolve_mode``): with ``ep_mode="auto"`` (or ``ring_mode="auto"``) the mode
+that sends fewer bytes per training step, from the group's mean token count.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from .config import RING_CHOICES, expert_tp_problem, get_moeblaze_config
+from .config import expert_tp_problem, get_moeblaze_config
 from .parallel.alltoall import prepare_send
-from .parallel.ring import group_mean_tokens
-from .parallel.traffic import LayerTraffic, resolve_ep_mode
-from .routing import RoutingPlan, build_routing_plan
+from .parallel.moe import EPMode, ExpertRouting, resolve_mode
+from .parallel.traffic import LayerTraffic
 
 __all__ = ["ExpertRouting", "MoEBlazeTokenDispatcher", "routing_map_to_topk"]
-
-
-@dataclass(frozen=True)
-class ExpertRouting:
-    """What the experts need besides the rows: local expert ids [N, K] (-1 unused) and their plan;
-    in ring mode the global ids, no plan, the expert-parallel group the ring runs on and the
-    ring's mode (``ring_moe``'s: "expert", "token" or "auto")."""
-
-    topk_ids: torch.Tensor
-    plan: RoutingPlan | None
-    ring_group: object = None
-    ring_mode: str | None = None
-
-    @property
-    def tokens_per_expert(self) -> torch.Tensor | None:
-        """[E_local] (token, expert) pairs per local expert, on device (None in ring mode: each
-        hop's plan is built where it runs)."""
-        return None if self.plan is None else self.plan.tokens_per_expert
 
 
 def routing_map_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int):
@@ -109,14 +89,12 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
         self.num_local_experts = num_local_experts
         self.local_expert_indices = local_expert_indices
         self.topk = config.moe_router_topk
-        options = get_moeblaze_config(config)
-        self.routing_method = options.routing_method
-        self.ep_mode, self.ring_mode = options.ep_mode, options.ring_mode
+        self.options = get_moeblaze_config(config)
         # What one rank's experts weigh (fc1 [2h or h, d] and fc2 [d, h] each), for the auto choice.
         ffn = config.moe_ffn_hidden_size
         self.expert_weight_numel = num_local_experts * (2 + config.gated_linear_unit) * ffn * config.hidden_size
         self.weight_bytes = config.params_dtype.itemsize
-        # The mode of the forward in flight: "local" (EP = 1), "alltoall", or a ring's mode.
+        # The mode of the forward in flight.
         self.mode = None
         self.hidden_shape = None
         self.topk_ids = None
@@ -130,19 +108,11 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
             return None
         return self.exchange.num_received
 
-    @property
-    def ring(self) -> bool:
-        return self.mode in RING_CHOICES
-
-    def _choose_mode(self, hidden_states, probs) -> str:
-        if self.ep_size == 1:
-            return "local"
-        return resolve_ep_mode(self.ep_mode, self.ring_mode, lambda: LayerTraffic(
-            tokens=group_mean_tokens(hidden_states.shape[0], self.ep_group, hidden_states.device),
-            hidden=hidden_states.shape[1], topk=self.topk, experts_per_rank=self.num_local_experts,
-            ranks=self.ep_size, weight_numel=self.expert_weight_numel, dtype_bytes=hidden_states.element_size(),
-            prob_bytes=probs.element_size(), weight_bytes=self.weight_bytes,
-        ))
+    def _traffic(self, tokens: float, hidden_states, probs) -> LayerTraffic:
+        return LayerTraffic(tokens=tokens, hidden=hidden_states.shape[1], topk=self.topk,
+                            experts_per_rank=self.num_local_experts, ranks=self.ep_size,
+                            weight_numel=self.expert_weight_numel, dtype_bytes=hidden_states.element_size(),
+                            prob_bytes=probs.element_size(), weight_bytes=self.weight_bytes)
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         """Top-k form of the routing and this forward's mode; in alltoall mode also the send
@@ -150,8 +120,10 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = hidden_states.shape
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
         topk_ids, topk_probs = routing_map_to_topk(routing_map, probs, self.topk)
-        self.mode = self._choose_mode(hidden_states, topk_probs)
-        if self.mode != "alltoall":
+        self.mode, _ = resolve_mode(self.options, self.ep_group if self.ep_size > 1 else None, hidden_states.shape[0],
+                                    lambda tokens: self._traffic(tokens, hidden_states, topk_probs),
+                                    hidden_states.device)
+        if self.mode is not EPMode.ALLTOALL:
             self.topk_ids = topk_ids
             return hidden_states, topk_probs
         self.exchange, self.topk_ids, send_probs = prepare_send(
@@ -161,23 +133,19 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
 
     def token_dispatch(self, hidden_states, probs):
         """Alltoall mode: all-to-all of the send rows, their local expert ids and probabilities."""
-        if self.mode != "alltoall":
+        if self.mode is not EPMode.ALLTOALL:
             return hidden_states, probs
         self.exchange.exchange_counts(self.ep_group)
         self.topk_ids = self.exchange.dispatch(self.topk_ids, self.ep_group)
         return self.exchange.dispatch(hidden_states, self.ep_group), self.exchange.dispatch(probs, self.ep_group)
 
     def dispatch_postprocess(self, hidden_states, probs):
-        """The routing plan over this rank's rows: ``(rows, ExpertRouting, topk_probs)``."""
-        if self.ring:
-            routing = ExpertRouting(self.topk_ids, None, self.ep_group, self.mode)
-            self.topk_ids = None
-            return hidden_states, routing, probs
-        plan = build_routing_plan(self.topk_ids, self.num_local_experts, method=self.routing_method, validate=False)
-        if self.mode == "alltoall":
-            # Expert-order buffers as long as the slots received, not received rows x K.
-            plan = plan.trimmed(self.exchange.num_received_slots)
-        routing = ExpertRouting(self.topk_ids, plan)
+        """What the experts run on: ``(rows, ExpertRouting, topk_probs)``."""
+        # After an exchange the experts' expert-order buffers are as long as the slots received,
+        # not received rows x K.
+        used = self.exchange.num_received_slots if self.mode is EPMode.ALLTOALL else None
+        routing = ExpertRouting(self.topk_ids, self.num_local_experts, self.mode,
+                                self.ep_group if self.mode.is_ring else None, used)
         self.topk_ids = None
         return hidden_states, routing, probs
 
@@ -187,12 +155,12 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
 
     def token_combine(self, hidden_states):
         """Alltoall mode: each partial output goes back to its source rank."""
-        if self.mode != "alltoall":
+        if self.mode is not EPMode.ALLTOALL:
             return hidden_states
         return self.exchange.give_back(hidden_states, self.ep_group)
 
     def combine_postprocess(self, hidden_states):
         """Alltoall mode: per-token sum of the partials in rank order; restore the input's shape."""
-        if self.mode == "alltoall":
+        if self.mode is EPMode.ALLTOALL:
             hidden_states = self.exchange.combine(hidden_states)
         return hidden_states.view(self.hidden_shape)

@@ -32,8 +32,8 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 
 from .config import activation_name, expert_bias_problem, expert_tp_problem, get_moeblaze_config
 from .dispatcher import ExpertRouting
-from .moe_mlp import moe_mlp, start_compile_workers
-from .parallel.ring import ring_moe
+from .parallel.moe import run_routed
+from .warmup import start_compile_workers
 
 __all__ = ["CHECKPOINT_LAYOUTS", "MoEBlazeGroupedMLP", "activation_of_config", "expert_activation"]
 
@@ -78,11 +78,8 @@ class MoEBlazeGroupedMLP(MegatronModule):
             if problem is not None:
                 raise ValueError(f"MoEBlazeGroupedMLP: {problem}")
         self.activation = expert_activation(config)
-        options = get_moeblaze_config(config)
-        self.recompute = options.recompute
-        self.backend = options.backend
-        self.routing_method = options.routing_method
-        start_compile_workers(self.backend)
+        self.options = get_moeblaze_config(config)
+        start_compile_workers(self.options.backend)
 
         hidden = config.hidden_size
         ffn = config.moe_ffn_hidden_size
@@ -130,28 +127,9 @@ class MoEBlazeGroupedMLP(MegatronModule):
                 "(moe_token_dispatcher_type='moeblaze'): expected an ExpertRouting as second "
                 f"argument, got {type(routing).__name__}"
             )
-        if routing.ring_group is not None:
-            return self._ring(hidden_states, routing, probs), None
-        out = moe_mlp(
-            hidden_states,
-            routing.topk_ids,
-            probs,
-            self.weight1,
-            self.weight2,
-            self.activation,
-            plan=routing.plan,
-            recompute=self.recompute,
-            backend=self.backend,
-        )
+        out = run_routed(hidden_states, routing, probs, self.weight1, self.weight2, options=self.options,
+                         activation=self.activation)
         return out, None
-
-    def _ring(self, hidden_states, routing, probs):
-        """RelayMoE's ring over the expert-parallel group (the weights or the tokens travel, as
-        the dispatcher's ring mode says); it recomputes each hop in backward whatever
-        ``recompute`` says."""
-        return ring_moe(hidden_states, routing.topk_ids, probs, self.weight1, self.weight2, routing.ring_group,
-                        mode=routing.ring_mode, activation=self.activation, backend=self.backend,
-                        routing_method=self.routing_method)
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in backward; nothing is deferred."""

@@ -1,5 +1,5 @@
-"""The fused MoE expert MLP over the Triton kernels: its forward and backward passes as functions
-(``fused_forward``, ``fused_backward``) and the autograd Function over them (``TritonMoEMLP``).
+"""The fused MoE expert MLP over the Triton kernels: its forward and backward passes
+(``fused_forward``, ``fused_backward``), which ``passes.py`` runs for the Triton backend.
 
 Forward: GEMM1 gathers x through the plan and applies the activation in its epilogue (saving the
 pre-activations unless recompute="fc1"); GEMM2 multiplies by fc2 in expert order; the combine
@@ -20,17 +20,11 @@ gradient comes back as a pair too, so nothing of the weights' size is stacked or
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import torch
 
-from .kernels import launch
 from .kernels.combine import combine
-from .kernels.launch import next_pow2, stand_in
 from .kernels.gather_gemm import EPI_ACT_BWD, EPI_ACT_FWD, expert_order_gemm, gather_gemm, gather_gemm_ds_tiles
 from .kernels.weight_grad import gathered_weight_grad, grouped_weight_grads_apply, weight_grad
-from .routing import RoutingPlan
 
 
 def fc1_width(fc1_weight) -> int:
@@ -111,81 +105,6 @@ def fused_backward(grad_y, x, probs_sorted, fc1_weight, fc2_weight, plan, activa
     elif need_probs:
         grad_probs = plan.unpermute_rows(ds_partial.sum(dim=1)).to(probs_sorted.dtype)
     return grad_x, grad_probs, grad_fc1, grad_fc2
-
-
-# The layers whose kernels were handed to the compile workers (``prefetch_layer_kernels``).
-_prefetched: set = set()
-
-
-# What torch's first backward imports (``autograd._make_grads``; sympy with it: seconds, once per
-# process): imported while this process waits on the compile workers instead.
-BACKWARD_IMPORT = "torch.fx.experimental.symbolic_shapes"
-
-
-def prefetch_layer_kernels(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute, needs) -> int:
-    """At a layer's first call of its kind, hand every kernel its forward and backward will launch
-    (``layer_launches``) to the compile workers at once, instead of one launch's configs after
-    another as each comes, so that they compile side by side while this pass runs; returns how
-    many compiles were submitted. The kind is what the kernels specialize on or tune by (dtypes,
-    widths, experts, top-k, the rows' power-of-two bucket and 16-divisibility, the options): a
-    token count that changes every step does not repeat it."""
-    if not x.is_cuda or not launch.compile_workers.enabled():
-        return 0
-    rows = plan.expert_token_indices.shape[0]
-    key = (x.device, x.dtype, topk_probs.dtype, isinstance(fc1_weight, tuple), activation, recompute, tuple(needs),
-           x.shape[1], fc2_weight.shape[2], plan.num_experts, plan.topk, next_pow2(rows), rows % 16, x.shape[0] % 16)
-    if key in _prefetched:
-        return 0
-    _prefetched.add(key)
-    submitted = launch.prefetch(layer_launches(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute,
-                                               needs))
-    if submitted and any(needs) and BACKWARD_IMPORT not in sys.modules:
-        launch.compile_workers.run_while_waiting(lambda: importlib.import_module(BACKWARD_IMPORT))
-    return submitted
-
-
-def layer_launches(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute, needs) -> list:
-    """The ``KernelCall``s that ``TritonMoEMLP``'s forward, then backward (where ``needs`` asks for
-    any gradient), launch for these arguments, in order: the same passes run on meta tensors
-    standing for them inside ``launch.recording``, so nothing runs and nothing is allocated. A
-    launcher that cannot follow meta tensors ends the list early."""
-    fc1 = tuple(map(stand_in, fc1_weight)) if isinstance(fc1_weight, tuple) else stand_in(fc1_weight)
-    xs, fc2, plan = stand_in(x), stand_in(fc2_weight), RoutingPlan(*map(stand_in, plan.tensors()))
-
-    def passes():
-        y, probs_sorted, pre = fused_forward(xs, stand_in(topk_probs), fc1, fc2, plan, activation,
-                                             save_pre=recompute == "activation")
-        if any(needs):
-            # new_empty, not empty_like: on meta tensors the latter imports sympy (seconds).
-            fused_backward(y.new_empty(y.shape), xs, probs_sorted, fc1, fc2, plan, activation, pre, needs)
-
-    return launch.recorded_launches(x.device, passes)
-
-
-class TritonMoEMLP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute):
-        prefetch_layer_kernels(x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute,
-                               ctx.needs_input_grad[:4])
-        x = x.contiguous()
-        y, probs_sorted, pre = fused_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation,
-                                             save_pre=recompute == "activation")
-        ctx.save_for_backward(x, probs_sorted, fc1_weight, fc2_weight, pre, *plan.tensors())
-        ctx.activation = activation
-        ctx.pre_overwritten = False
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, probs_sorted, fc1_weight, fc2_weight, pre, *plan_tensors = ctx.saved_tensors
-        if ctx.pre_overwritten:
-            # A second backward through the same graph (retain_graph=True, gradcheck): the first
-            # one turned the saved pre-activations into their gradient, so recompute them.
-            pre = None
-        ctx.pre_overwritten = True
-        grads = fused_backward(grad_y, x, probs_sorted, fc1_weight, fc2_weight, RoutingPlan(*plan_tensors),
-                               ctx.activation, pre, ctx.needs_input_grad[:4])
-        return (*grads, None, None, None)
 
 
 def _weight_gradient(weight, a, b, plan, *, gather_a, gathered):

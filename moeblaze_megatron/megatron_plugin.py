@@ -23,12 +23,9 @@ import functools
 import inspect
 
 from .config import (
-    BACKENDS,
-    EP_MODES,
-    RECOMPUTE_MODES,
-    RING_CHOICES,
-    ROUTING_METHODS,
+    OPTION_CHOICES,
     MoEBlazeConfig,
+    OptionError,
     activation_problem,
     expert_bias_problem,
     expert_tp_problem,
@@ -68,44 +65,23 @@ def add_moeblaze_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
             if MOEBLAZE not in action.choices:
                 action.choices = (*action.choices, MOEBLAZE)
     group = parser.add_argument_group(title="moeblaze")
-    group.add_argument(
-        "--moeblaze-recompute", choices=RECOMPUTE_MODES, default="activation",
-        help="What the MoEBlaze experts keep for backward: 'activation' keeps the expert "
-        "pre-activations; 'fc1' keeps only the layer input and recomputes the first expert GEMM.",
-    )
-    group.add_argument(
-        "--moeblaze-routing-method", choices=ROUTING_METHODS, default="auto",
-        help="How the MoEBlaze routing plan is built: 'three_step' (atomic-free Triton build), "
-        "'sort', 'torch', or 'auto' (picked by device and expert count).",
-    )
-    group.add_argument(
-        "--moeblaze-backend", choices=BACKENDS, default="auto",
-        help="MoEBlaze expert MLP implementation: 'triton' (fused kernels), 'reference' (PyTorch), "
-        "or 'auto' (Triton on CUDA).",
-    )
-    group.add_argument(
-        "--moeblaze-ep-mode", choices=EP_MODES, default="alltoall",
-        help="With expert parallelism: 'alltoall' sends each token once per rank holding one of its "
-        "experts; 'ring' runs RelayMoE's ring (expert weights or tokens circulate point to point; "
-        "no dispatch buffer, only the layer input kept for backward); 'auto' picks per layer the "
-        "one that sends fewer bytes per training step.",
-    )
-    group.add_argument(
-        "--moeblaze-ring-mode", choices=RING_CHOICES, default="auto",
-        help="Which ring runs in ring (and auto) mode: 'expert' (the weight shards travel), 'token' "
-        "(the token blocks travel), or 'auto' (per layer, the one that sends fewer bytes).",
-    )
+    for option, help_text in _FLAG_HELP.items():
+        # No argparse choices: MoEBlazeConfig checks every option once (moeblaze_config_from_args),
+        # and a bad value gets one line, not Megatron's whole usage text.
+        group.add_argument(_flag(option), default=getattr(MoEBlazeConfig, option), help=help_text,
+                           metavar="{" + ",".join(OPTION_CHOICES[option]) + "}")
     parse_known_args = parser.parse_known_args
 
     def parse_and_check(args=None, namespace=None):
         parsed, extras = parse_known_args(args, namespace)
-        if getattr(parsed, "moe_token_dispatcher_type", None) == MOEBLAZE:
-            try:
+        try:
+            moeblaze_config_from_args(parsed)
+            if getattr(parsed, "moe_token_dispatcher_type", None) == MOEBLAZE:
                 check_moeblaze_args(parsed)
-            except ValueError as error:
-                # An argument error, as argparse gives one: the message, exit code 2, no traceback
-                # (and not Megatron's whole usage text either).
-                parser.exit(2, f"{parser.prog}: error: {error}\n")
+        except ValueError as error:
+            # An argument error, as argparse gives one: the message, exit code 2, no traceback
+            # (and not Megatron's whole usage text either).
+            parser.exit(2, f"{parser.prog}: error: {flag_message(error)}\n")
         return parsed, extras
 
     parser.parse_known_args = parse_and_check
@@ -125,15 +101,40 @@ def moeblaze_extra_args_provider(extra_args_provider=None):
 
 
 def moeblaze_config_from_args(args) -> MoEBlazeConfig:
-    """The MoEBlazeConfig given by parsed ``--moeblaze-*`` arguments (defaults where absent)."""
-    defaults = MoEBlazeConfig()
-    return MoEBlazeConfig(
-        recompute=getattr(args, "moeblaze_recompute", defaults.recompute),
-        routing_method=getattr(args, "moeblaze_routing_method", defaults.routing_method),
-        backend=getattr(args, "moeblaze_backend", defaults.backend),
-        ep_mode=getattr(args, "moeblaze_ep_mode", defaults.ep_mode),
-        ring_mode=getattr(args, "moeblaze_ring_mode", defaults.ring_mode),
-    )
+    """The MoEBlazeConfig given by parsed ``--moeblaze-*`` arguments (defaults where absent); an
+    ``OptionError`` (checked by MoEBlazeConfig) for a value it does not take."""
+    values = {option: getattr(args, f"moeblaze_{option}") for option in OPTION_CHOICES
+              if hasattr(args, f"moeblaze_{option}")}
+    return MoEBlazeConfig(**values)
+
+
+def flag_message(error: Exception) -> str:
+    """An error about the options as the command line says it: an option named by its flag."""
+    if isinstance(error, OptionError) and error.choices is not None:
+        choices = ", ".join(repr(c) for c in error.choices)
+        return f"argument {_flag(error.option)}: invalid choice: {error.value!r} (choose from {choices})"
+    return str(error)
+
+
+def _flag(option: str) -> str:
+    return "--moeblaze-" + option.replace("_", "-")
+
+
+# The --moeblaze-* flags, one per MoEBlazeConfig field (their choices: config.OPTION_CHOICES).
+_FLAG_HELP = {
+    "recompute": "What the MoEBlaze experts keep for backward: 'activation' keeps the expert pre-activations; "
+                 "'fc1' keeps only the layer input and recomputes the first expert GEMM.",
+    "routing_method": "How the MoEBlaze routing plan is built: 'three_step' (atomic-free Triton build), 'sort', "
+                      "'torch', or 'auto' (picked by device and expert count).",
+    "backend": "MoEBlaze expert MLP implementation: 'triton' (fused kernels), 'reference' (PyTorch), or 'auto' "
+               "(Triton on CUDA).",
+    "ep_mode": "With expert parallelism: 'alltoall' sends each token once per rank holding one of its experts; "
+               "'ring' runs RelayMoE's ring (expert weights or tokens circulate point to point; no dispatch "
+               "buffer, only the layer input kept for backward; needs --moeblaze-recompute fc1); 'auto' picks "
+               "per layer the one that sends fewer bytes per training step (also needs --moeblaze-recompute fc1).",
+    "ring_mode": "Which ring runs in ring (and auto) mode: 'expert' (the weight shards travel), 'token' (the token "
+                 "blocks travel), or 'auto' (per layer, the one that sends fewer bytes).",
+}
 
 
 def transformer_config_from_args(args, config_class=None):

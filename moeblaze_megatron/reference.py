@@ -1,4 +1,5 @@
-"""Pure-PyTorch MoE expert MLP over a routing plan: the CPU path and the kernels' test oracle.
+"""Pure-PyTorch MoE expert MLP over a routing plan (its forward and backward passes, which
+``passes.py`` runs for the reference backend): the CPU path and the kernels' test oracle.
 
 It follows the same memory discipline as the fused kernels: it gathers each expert's rows of x
 on the fly, saves for backward only the pre-activations (or nothing, with recompute="fc1"), the
@@ -12,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .routing import RoutingPlan
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -113,20 +113,3 @@ def reference_backward(grad_y, x, topk_probs, fc1_weight, fc2_weight, plan, acti
     grad_x = sum_slots(grad_x_rows, plan.token_index_map, out_dtype=x.dtype)
     grad_probs = plan.unpermute_rows(grad_probs_sorted).to(topk_probs.dtype)
     return grad_x, grad_probs, grad_fc1, grad_fc2
-
-
-class ReferenceMoEMLP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_probs, fc1_weight, fc2_weight, plan, activation, recompute):
-        y, pre_all = reference_forward(x, topk_probs, fc1_weight, fc2_weight, plan, activation,
-                                       save_pre=recompute == "activation")
-        ctx.save_for_backward(x, topk_probs, fc1_weight, fc2_weight, pre_all, *plan.tensors())
-        ctx.activation = activation
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, topk_probs, fc1_weight, fc2_weight, pre_all, *plan_tensors = ctx.saved_tensors
-        grads = reference_backward(grad_y, x, topk_probs, fc1_weight, fc2_weight, RoutingPlan(*plan_tensors),
-                                   ctx.activation, pre_all)
-        return (*grads, None, None, None)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ROUTING_METHODS
+from .config import check_option
 
 __all__ = ["RoutingPlan", "build_routing_plan", "check_topk_ids"]
 
@@ -133,7 +133,9 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, *, check_values: bo
         raise ValueError(
             f"topk_ids has topk={topk} columns; expected 1 <= topk <= num_experts={num_experts}"
         )
-    if num_tokens * topk > _INDEX_LIMIT:
+    # Under torch.compile a size can be data-dependent (rows received in an expert-parallel
+    # exchange): no guard on it; the eager path checks it.
+    if not torch.compiler.is_compiling() and num_tokens * topk > _INDEX_LIMIT:
         raise ValueError(
             f"topk_ids has {num_tokens}*{topk} slots; the plan's int32 indices hold at most "
             f"{_INDEX_LIMIT}"
@@ -168,12 +170,10 @@ def build_routing_plan(
     the three-step build; the CPU path and the test oracle) or ``"auto"`` (the fastest that
     applies).
     ``validate=False`` skips the range and distinctness checks of the ids, and with them the
-    only device-to-host synchronization; invalid ids then give an undefined plan. (With the
-    compile workers running, the first plan of a kind, while the Triton build's kernels compile,
-    is built by the PyTorch path, which synchronizes once: every method gives the same plan.)
+    only device-to-host synchronization; invalid ids then give an undefined plan. Every method
+    gives the same plan.
     """
-    if method not in ROUTING_METHODS:
-        raise ValueError(f"method must be one of {ROUTING_METHODS}, got {method!r}")
+    check_option("routing_method", method)
     check_topk_ids(topk_ids, num_experts, check_values=validate)
     if method == "auto":
         method = choose_routing_method(topk_ids, num_experts)
@@ -183,41 +183,7 @@ def build_routing_plan(
         from .kernels.plan_sort import sort_routing_plan as build
     else:
         return torch_routing_plan(topk_ids, num_experts)
-    if (_prefetch_plan_kernels(build, topk_ids, num_experts) and num_experts * topk_ids.shape[0] <= TORCH_PLAN_MAX_CELLS
-            and not (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing())):
-        # The build's kernels have just gone to the compile workers: this first plan of its kind
-        # is the PyTorch build's (the same plan, bit for bit), so that the layer's own kernels
-        # can go to the workers now, not once the plan's have compiled (benchmarks/NOTES.md,
-        # twenty-sixth session).
-        return torch_routing_plan(topk_ids, num_experts)
     return RoutingPlan(*build(topk_ids, num_experts))
-
-
-# The largest first plan (experts x tokens) built in PyTorch while the Triton build compiles: its
-# dense map and scans take ~13 bytes a cell (2**24 cells: ~220 MB, once).
-TORCH_PLAN_MAX_CELLS = 2**24
-
-# The plan builds whose kernels were handed to the compile workers.
-_prefetched: set = set()
-
-
-def _prefetch_plan_kernels(build, topk_ids, num_experts) -> bool:
-    """At the first plan of its kind, with the compile workers started, hand the build's few kernels to
-    the workers at once (they then compile side by side, not one after another as each launch
-    comes); returns whether any went. The kind: the build, ids' dtype, K, E, the token count's
-    power-of-two bucket and 16-divisibility (what the kernels specialize on)."""
-    if not topk_ids.is_cuda:
-        return False
-    from .kernels import compile_workers, launch
-
-    num_tokens = topk_ids.shape[0]
-    key = (build, topk_ids.device, topk_ids.dtype, topk_ids.shape[1], num_experts, launch.next_pow2(num_tokens),
-           num_tokens % 16)
-    if key in _prefetched or not compile_workers.running():
-        return False
-    _prefetched.add(key)
-    ids = launch.stand_in(topk_ids)
-    return launch.prefetch(launch.recorded_launches(topk_ids.device, lambda: build(ids, num_experts))) > 0
 
 
 def choose_routing_method(topk_ids: torch.Tensor, num_experts: int) -> str:

@@ -9,7 +9,11 @@ cache, where this process's own compile of the same kernel then finds it (a cach
 
 ``capture()`` collects the requests of the ``warmup`` calls made inside it, compiling nothing;
 ``submit`` hands requests to the workers (each one once per process); ``wait_for`` waits for a
-kernel's submitted requests before the process compiles that kernel itself. Workers start on
+kernel's submitted requests before the process compiles that kernel itself. Over described
+launches (``calls.KernelCall``): ``compile_requests`` lists one launch's requests,
+``prefetch`` hands many launches' compiles over without waiting (``recorded_launches`` lists what
+a pass would launch), and the launch path calls ``before_compile`` before it compiles anything
+itself and ``compile_ahead`` before the autotuner times a new key's configs. Workers start on
 first use (``start``: a Python process each, without torch, fed by a thread here) and exit after
 ``IDLE_EXIT_S`` without work; ``SETTINGS.compile_workers`` sets how many (0: none, every kernel
 compiles in the process as Triton does). A worker that fails costs only its speed-up: the process
@@ -30,6 +34,7 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
+from .calls import KernelCall, OneConfig, compiles_in_process, one_config, recording
 from .settings import SETTINGS
 
 # A worker's reader thread closes its process after this long without a request.
@@ -153,6 +158,91 @@ def stats() -> dict:
     seconds (summed over them)."""
     with _lock:
         return dict(_stats)
+
+
+def before_compile(kernel, *, first: bool) -> None:
+    """What the launch path does before this process compiles ``kernel`` (a launch's kernel, or an
+    ``OneConfig`` of one) itself: at the process's ``first`` compiled launch start the workers
+    (ready for the autotuned launches and layer prefetches to come; not at every miss: under
+    expert parallelism new token counts find their kernels in Triton's disk cache), then wait for
+    whatever of this kernel the workers are compiling."""
+    if first:
+        start()
+    wait_for(kernel.autotuner if isinstance(kernel, OneConfig) else kernel)
+
+
+def compile_ahead(call: KernelCall) -> int:
+    """Compile in the workers, side by side, every config the autotuner of ``call`` is about to
+    time for a new tuning key, and wait for them (the autotuner then finds them in Triton's disk
+    cache); returns how many compiles it submitted (0 where the key is tuned already, the workers
+    are off, or the configs were submitted before, by ``prefetch``). A config that fails in a
+    worker is left to the autotuner, which reports or skips it as it would have."""
+    if not enabled():
+        return 0
+    autotuner, _, args, constexprs = call
+    if tuning_key(autotuner, dict(zip(autotuner.arg_names, args)), constexprs) in autotuner.cache:
+        return 0
+    submitted = submit(compile_requests(call))
+    wait_for(autotuner)
+    return submitted
+
+
+def prefetch(calls) -> int:
+    """Hand the compiles of ``calls`` (``recorded_launches``') to the workers without waiting:
+    every config an autotuned one would time (its tuned config only, where its key is tuned);
+    returns how many were submitted (0 with the workers off)."""
+    if not enabled():
+        return 0
+    return submit([request for call in calls for request in compile_requests(call)])
+
+
+def recorded_launches(device, run) -> list:
+    """The ``KernelCall``s that ``run()`` launches, run inside ``calls.recording(device)`` (over
+    meta tensors standing for ``device``'s); one that cannot follow meta tensors ends the list
+    early (its launches then compile as they come)."""
+    with recording(device) as calls, contextlib.suppress(Exception):
+        run()
+    return calls
+
+
+def compile_requests(call: KernelCall) -> list:
+    """The compile requests (``capture``) of one launch: of each config an autotuned kernel would
+    run or time, of the kernel itself otherwise; none for what this process has compiled already."""
+    from triton.runtime.autotuner import Autotuner
+
+    kernel, grid, args, constexprs = call
+    if compiles_in_process(kernel):
+        return []
+    kernel, constexprs = one_config(kernel, args, constexprs)
+    if isinstance(kernel, OneConfig):
+        variants = [(kernel.autotuner.fn, kernel.config, constexprs)]
+    elif isinstance(kernel, Autotuner):
+        named = dict(zip(kernel.arg_names, args))
+        tuned = kernel.cache.get(tuning_key(kernel, named, constexprs))
+        if tuned is not None:
+            configs = [tuned]
+        elif kernel.early_config_prune is not None:
+            configs = kernel.early_config_prune(kernel.configs, named, **constexprs)
+        else:
+            configs = kernel.configs
+        variants = [(kernel.fn, config, {**constexprs, **config.all_kwargs()}) for config in configs]
+    else:
+        variants = [(kernel, None, constexprs)]
+    with capture() as requests:
+        for fn, config, values in variants:
+            if config is not None and config.pre_hook is not None:  # the config's TMA boxes: part of the kernel
+                config.pre_hook({**dict(zip(fn.arg_names, args)), **values})
+            fn.warmup(*args, grid=grid, **values)
+    return requests
+
+
+def tuning_key(autotuner, named, constexprs) -> tuple:
+    """The key Triton's autotuner files a launch's tuned config under (its ``run``): the key
+    arguments' values, then every tensor argument's dtype."""
+    values = {name: value for name, value in {**named, **constexprs}.items() if name in autotuner.arg_names}
+    key = [values[name] for name in autotuner.keys if name in values]
+    key += [str(value.dtype) for value in values.values() if hasattr(value, "dtype")]
+    return tuple(key)
 
 
 class _Pool:

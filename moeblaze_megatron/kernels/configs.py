@@ -15,7 +15,8 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .settings import SETTINGS
-from .launch import box_hook, gpu_of
+from .calls import gpu_of
+from .launch import box_hook
 
 EPI_STORE, EPI_ACT_FWD, EPI_ACT_BWD = 0, 1, 2
 # The fused epilogues by the names MOEBLAZE_WARP_SPECIALIZE takes (settings.WARP_SPECIALIZE_CHOICES).

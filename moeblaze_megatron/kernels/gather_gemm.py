@@ -45,7 +45,8 @@ from .configs import (
     tma_takes,
 )
 from .settings import SETTINGS
-from .launch import KernelCall, cdiv, gpu_of, launch_call, next_pow2
+from .calls import KernelCall, gpu_of
+from .launch import cdiv, launch_call, next_pow2
 from .numerics import dot, dot_flags, to_storage
 
 __all__ = [

@@ -637,7 +637,8 @@ def ws_call(a, weight, out, plan, *, epilogue, act_id, glu, pre, n, sm_count, st
     ``pre`` <- d pre, ``ds_partial`` <- the router-gradient partials)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .launch import KernelCall, cdiv, next_pow2
+    from .calls import KernelCall
+    from .launch import cdiv, next_pow2
 
     tile = ws_tile(epilogue)
     bm, bn, bk = tile["BLOCK_M"], tile["BLOCK_N"], tile["BLOCK_K"]

@@ -20,20 +20,14 @@ arguments, constexprs) and hands it to ``launch_call``; ``tuning.run_with_config
 call with a config of its choosing.
 
 An autotuned launch whose pruning keeps one config (the activation backward always; every launch
-under MOEBLAZE_AUTOTUNE=0 or the interpreter) runs that config directly, untimed: Triton 3.6 would
-time it, and timing an in-place epilogue needs a copy of what it overwrites. One that keeps more
-has them compiled side by side in the compile workers before the autotuner times them
-(``compile_ahead``, MOEBLAZE_COMPILE_WORKERS).
-
-Inside ``recording(device)`` launches are collected as ``KernelCall``s, not run: code run there on
-meta tensors standing for ``device``'s (``gpu_of`` says which device a tensor stands for) lists
-what it would launch, and ``prefetch`` hands those launches' compiles to the workers ahead of time.
+under MOEBLAZE_AUTOTUNE=0 or the interpreter) runs that config directly, untimed
+(``calls.one_config``). Before this process compiles anything itself, the compile workers get
+their turn (``compile_workers.before_compile``); inside ``calls.recording`` launches are
+described, not run.
 """
 
 from __future__ import annotations
 
-import contextlib
-from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
@@ -42,50 +36,16 @@ from triton.runtime.autotuner import Autotuner
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import compile_workers
+from .calls import KernelCall, OneConfig, compiles_in_process, one_config, recording_into
 from .settings import SETTINGS
+
+__all__ = ["KernelCall", "box_hook", "cdiv", "launch", "launch_call", "next_pow2", "spans_past_int32"]
 
 # Signatures past this count start a fresh cache (shapes that change every step, as token counts
 # under expert parallelism can, would otherwise grow it without bound).
 MAX_ENTRIES = 4096
 
 _entries: dict = {}
-
-
-class _Recording(NamedTuple):
-    calls: list
-    device: torch.device
-
-
-_recording: ContextVar[_Recording | None] = ContextVar("moeblaze_launch_recording", default=None)
-
-
-@contextlib.contextmanager
-def recording(device):
-    """Inside the block ``launch`` appends each call to the yielded list instead of running it;
-    meta tensors stand for ``device``'s (``gpu_of``)."""
-    calls = []
-    token = _recording.set(_Recording(calls, torch.device(device)))
-    try:
-        yield calls
-    finally:
-        _recording.reset(token)
-
-
-def stand_in(t: torch.Tensor) -> torch.Tensor:
-    """A meta tensor of ``t``'s dtype, shape and strides whose address has ``t``'s 16-byte
-    alignment (what the kernels specialize on), for code run inside ``recording``."""
-    offset = (t.data_ptr() % 16) // t.element_size()
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
-    return torch.empty(offset + extent, dtype=t.dtype, device="meta").as_strided(t.shape, t.stride(), offset)
-
-
-def gpu_of(t: torch.Tensor) -> torch.device | None:
-    """The GPU a tensor is on, or stands for (a meta tensor inside ``recording``); None for the
-    others (CPU tensors, which the interpreter runs)."""
-    if t.is_cuda:
-        return t.device
-    rec = _recording.get()
-    return rec.device if rec is not None and t.is_meta and rec.device.type == "cuda" else None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -205,7 +165,7 @@ class _Entry:
     __slots__ = ("function", "kwargs", "metadata", "name", "names", "pre_hook", "raw", "run", "tail")
 
     def __init__(self, kernel, compiled, num_args, constexprs):
-        if isinstance(kernel, _OneConfig):
+        if isinstance(kernel, OneConfig):
             config, fn = kernel.config, kernel.autotuner.fn
         elif isinstance(kernel, Autotuner):
             config, fn = kernel.best_config, kernel.fn
@@ -223,7 +183,7 @@ class _Entry:
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
         # Gluon kernels (the warp-specialized GEMM, off by default) keep Triton's launcher: the
         # raw launch is checked on the GPU for Triton kernels only (tests/gpu, bitwise).
-        self.raw = None if _compiles_in_process(fn) else _raw_launch(compiled.run)
+        self.raw = None if compiles_in_process(fn) else _raw_launch(compiled.run)
 
     def __call__(self, grid, args, device):
         if self.pre_hook is not None:
@@ -247,15 +207,6 @@ class _Entry:
                    self.metadata, None, None, None, *params)
 
 
-class KernelCall(NamedTuple):
-    """One launch, described: ``kernel[grid](*args, **constexprs)``."""
-
-    kernel: object
-    grid: object
-    args: tuple
-    constexprs: dict
-
-
 def launch_call(call: KernelCall) -> None:
     """``launch`` of a described call."""
     launch(*call)
@@ -266,12 +217,12 @@ def launch(kernel, grid, args, constexprs):
     of one; ``args`` are the leading parameters, positional; ``constexprs`` by name; ``grid`` a
     tuple or a function of the constexprs and the config's values (``meta["BLOCK_M"]``).
     An autotuned launch whose pruning keeps one config runs that config without the autotuner."""
-    rec = _recording.get()
-    if rec is not None:
-        rec.calls.append(KernelCall(kernel, grid, args, constexprs))
+    recorded = recording_into()
+    if recorded is not None:
+        recorded.append(KernelCall(kernel, grid, args, constexprs))
         return
     if SETTINGS.interpret or not SETTINGS.direct_launch or _hooks_set():
-        _through_triton(*_one_config(kernel, args, constexprs), grid, args)
+        _through_triton(*one_config(kernel, args, constexprs), grid, args)
         return
     device = torch.cuda.current_device()
     key = (kernel, device, _signature(args), tuple(constexprs.items()))
@@ -280,37 +231,12 @@ def launch(kernel, grid, args, constexprs):
         entry(grid, args, device)
         return
     # The pruning reads the constexprs only (both kernels' rules), so the key decides it too.
-    kernel, constexprs = _one_config(kernel, args, constexprs)
-    if not _entries:
-        # The process's first compiled launch: workers ready for the autotuned launches and layer
-        # prefetches to come. Not at every miss: under expert parallelism every step brings new
-        # token counts, whose kernels Triton's disk cache holds already (submit starts them for work).
-        compile_workers.start()
-    compile_workers.wait_for(kernel.autotuner if isinstance(kernel, _OneConfig) else kernel)
+    kernel, constexprs = one_config(kernel, args, constexprs)
+    compile_workers.before_compile(kernel, first=not _entries)
     compiled = _through_triton(kernel, constexprs, grid, args)
     if len(_entries) >= MAX_ENTRIES:
         _entries.clear()
     _entries[key] = _Entry(kernel, compiled, len(args), constexprs)
-
-
-class _OneConfig(NamedTuple):
-    """An autotuned kernel's one remaining config, launched as its kernel with the config's values:
-    Triton 3.6 would time a lone config, and timing an in-place epilogue (the activation backward)
-    needs a copy of what it overwrites, as large as the layer's pre-activations."""
-
-    autotuner: Autotuner
-    config: triton.Config
-
-
-def _one_config(kernel, args, constexprs):
-    """(kernel, constexprs) to launch: an ``Autotuner`` whose pruning keeps a single config
-    becomes that config's ``_OneConfig`` with the config's values among the constexprs."""
-    if not isinstance(kernel, Autotuner) or kernel.early_config_prune is None:
-        return kernel, constexprs
-    kept = kernel.early_config_prune(kernel.configs, dict(zip(kernel.arg_names, args)), **constexprs)
-    if len(kept) != 1:
-        return kernel, constexprs
-    return _OneConfig(kernel, kept[0]), {**constexprs, **kept[0].all_kwargs()}
 
 
 def _through_triton(kernel, constexprs, grid, args):
@@ -319,7 +245,7 @@ def _through_triton(kernel, constexprs, grid, args):
     An autotuner keeps the call's arguments (``nargs``) until the launch returns: a launch that
     raises (out of memory while tuning) would keep them, and every tensor of the call, alive
     until its next launch. Here they are dropped either way."""
-    if isinstance(kernel, _OneConfig):
+    if isinstance(kernel, OneConfig):
         autotuner, config = kernel.autotuner, kernel.config
         if config.pre_hook is not None:
             config.pre_hook({**dict(zip(autotuner.arg_names, args)), **constexprs})
@@ -327,87 +253,8 @@ def _through_triton(kernel, constexprs, grid, args):
         return autotuner.fn[grid](*args, **constexprs)
     try:
         if isinstance(kernel, Autotuner):
-            compile_ahead(kernel, grid, args, constexprs)
+            compile_workers.compile_ahead(KernelCall(kernel, grid, args, constexprs))
         return kernel[grid](*args, **constexprs)
     finally:
         if isinstance(kernel, Autotuner):
             kernel.nargs = None
-
-
-def compile_ahead(autotuner, grid, args, constexprs) -> int:
-    """Compile in the compile workers, side by side, every config the autotuner is about to time
-    for a new tuning key, and wait for them (the autotuner then finds them in Triton's disk cache);
-    returns how many compiles it submitted (0 where the key is tuned already, the workers are off,
-    or the configs were submitted before, by ``prefetch``). A config that fails in a worker is
-    left to the autotuner, which reports or skips it as it would have."""
-    if not compile_workers.enabled():
-        return 0
-    named = dict(zip(autotuner.arg_names, args))
-    if _tuning_key(autotuner, named, constexprs) in autotuner.cache:
-        return 0
-    submitted = compile_workers.submit(compile_requests(KernelCall(autotuner, grid, args, constexprs)))
-    compile_workers.wait_for(autotuner)
-    return submitted
-
-
-def prefetch(calls) -> int:
-    """Hand the compiles of ``calls`` (``recording``'s) to the compile workers without waiting:
-    every config an autotuned one would time (its tuned config only, where its key is tuned);
-    returns how many were submitted (0 with the workers off)."""
-    if not compile_workers.enabled():
-        return 0
-    return compile_workers.submit([request for call in calls for request in compile_requests(call)])
-
-
-def recorded_launches(device, run) -> list:
-    """The ``KernelCall``s that ``run()`` launches, run inside ``recording(device)`` (over meta
-    tensors standing for ``device``'s); one that cannot follow meta tensors ends the list early
-    (its launches then compile as they come)."""
-    with recording(device) as calls, contextlib.suppress(Exception):
-        run()
-    return calls
-
-
-def compile_requests(call: KernelCall) -> list:
-    """The compile requests (``compile_workers.capture``) of one launch: of each config an
-    autotuned kernel would run or time, of the kernel itself otherwise; none for what this
-    process has compiled already."""
-    kernel, grid, args, constexprs = call
-    if _compiles_in_process(kernel):
-        return []
-    kernel, constexprs = _one_config(kernel, args, constexprs)
-    if isinstance(kernel, _OneConfig):
-        variants = [(kernel.autotuner.fn, kernel.config, constexprs)]
-    elif isinstance(kernel, Autotuner):
-        named = dict(zip(kernel.arg_names, args))
-        tuned = kernel.cache.get(_tuning_key(kernel, named, constexprs))
-        if tuned is not None:
-            configs = [tuned]
-        elif kernel.early_config_prune is not None:
-            configs = kernel.early_config_prune(kernel.configs, named, **constexprs)
-        else:
-            configs = kernel.configs
-        variants = [(kernel.fn, config, {**constexprs, **config.all_kwargs()}) for config in configs]
-    else:
-        variants = [(kernel, None, constexprs)]
-    with compile_workers.capture() as requests:
-        for fn, config, values in variants:
-            if config is not None and config.pre_hook is not None:  # the config's TMA boxes: part of the kernel
-                config.pre_hook({**dict(zip(fn.arg_names, args)), **values})
-            fn.warmup(*args, grid=grid, **values)
-    return requests
-
-
-def _compiles_in_process(kernel) -> bool:
-    """Gluon kernels compile in the process (one kernel, never tuned): the workers rebuild Triton
-    JIT functions only."""
-    return type(kernel).__name__ == "GluonJITFunction"
-
-
-def _tuning_key(autotuner, named, constexprs) -> tuple:
-    """The key Triton's autotuner files a launch's tuned config under (its ``run``): the key
-    arguments' values, then every tensor argument's dtype."""
-    values = {name: value for name, value in {**named, **constexprs}.items() if name in autotuner.arg_names}
-    key = [values[name] for name in autotuner.keys if name in values]
-    key += [str(value.dtype) for value in values.values() if hasattr(value, "dtype")]
-    return tuple(key)

@@ -8,7 +8,8 @@ the same ``KernelCall`` and run it here with the config of their choice.
 from __future__ import annotations
 
 from .configs import config_label
-from .launch import KernelCall, launch_call
+from .calls import KernelCall
+from .launch import launch_call
 from .gather_gemm import gather_gemm_call, gather_gemm_kernel
 from .weight_grad import weight_grad_call, weight_grad_kernel
 

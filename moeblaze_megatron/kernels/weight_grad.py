@@ -15,7 +15,8 @@ import triton.language as tl
 from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
 
 from .configs import capability, prune_weight_grad, ragged_tma_takes, weight_grad_configs
-from .launch import KernelCall, cdiv, gpu_of, launch_call, next_pow2, spans_past_int32
+from .calls import KernelCall, gpu_of
+from .launch import cdiv, launch_call, next_pow2, spans_past_int32
 from .numerics import dot, dot_flags, to_storage
 
 __all__ = ["gathered_weight_grad", "grouped_weight_grads_apply", "weight_grad", "weight_grad_call",

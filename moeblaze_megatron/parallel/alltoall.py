@@ -19,11 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..moe_mlp import moe_mlp
 from ..reference import sum_slots
-from ..routing import build_routing_plan
 
-__all__ = ["TokenExchange", "alltoall_moe", "plan_token_exchange", "prepare_send"]
+__all__ = ["TokenExchange", "all_to_all", "plan_token_exchange", "prepare_send"]
 
 
 @dataclass
@@ -118,23 +116,6 @@ def prepare_send(topk_ids: torch.Tensor, topk_probs: torch.Tensor, num_local_exp
     exchange, send_ids, send_cols = plan_token_exchange(topk_ids, num_local_experts, ep_size)
     send_probs = torch.where(send_ids >= 0, exchange.gather(topk_probs).gather(1, send_cols), 0)
     return exchange, send_ids, send_probs
-
-
-def alltoall_moe(x, topk_ids, topk_probs, fc1_weight, fc2_weight, group, *, activation: str = "swiglu",
-                 recompute: str = "activation", backend: str = "auto", routing_method: str = "auto") -> torch.Tensor:
-    """The MoE experts over an expert-parallel ``group``, each token sent once per destination
-    rank: ``ring_moe``'s arguments and result (x [T, d], global ``topk_ids`` [T, K], this rank's
-    experts), through the exchange Megatron's dispatcher runs in its six stages."""
-    experts = fc1_weight.shape[0]
-    exchange, send_ids, send_probs = prepare_send(topk_ids, topk_probs, experts, dist.get_world_size(group))
-    exchange.exchange_counts(group)
-    ids = exchange.dispatch(send_ids, group)
-    rows = exchange.dispatch(exchange.gather(x), group)
-    probs = exchange.dispatch(send_probs, group)
-    plan = build_routing_plan(ids, experts, method=routing_method, validate=False).trimmed(exchange.num_received_slots)
-    out = moe_mlp(rows, ids, probs, fc1_weight, fc2_weight, activation, plan=plan, recompute=recompute,
-                  backend=backend)
-    return exchange.combine(exchange.give_back(out, group))
 
 
 def all_to_all(x: torch.Tensor, recv_counts, send_counts, group) -> torch.Tensor:

@@ -10,9 +10,9 @@ rows received, slots received) are unbacked sizes in the compiled graph; the spl
 the ops in a small int64 CPU tensor, never through the graph's symbols. The ops call the eager
 exchange's own pieces, so a compiled step computes the eager one's bits.
 
-``compiled_alltoall_moe(x, topk_ids, topk_probs, w1, w3, w2, group, ...)``: the experts over the
-group through these ops and ``compiled_op.expert_mlp``, with the received rows' expert-order
-buffers cut to the slots actually received.
+``compiled_alltoall_moe(x, topk_ids, topk_probs, fc1, fc2, group, ...)``: the experts over the
+group through these ops and ``moe_mlp`` (its custom ops, under compile), with the received rows'
+expert-order buffers cut to the slots actually received.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ..compiled_op import checked_expert_mlp
-from ..moe_mlp import check_split_moe_mlp_args
+from ..moe_mlp import moe_mlp
 from ..reference import sum_slots
 from .alltoall import _all_to_all, plan_token_exchange
 from .traffic import MODES
@@ -34,31 +33,21 @@ __all__ = ["check_same_choice", "compiled_alltoall_moe"]
 _HOST = dict(dtype=torch.int64, device="cpu")
 
 
-def compiled_alltoall_moe(x, topk_ids, topk_probs, w1, w3, w2, group, *, activation="swiglu",
-                          recompute="activation", routing_method="auto", backend="auto", chosen=-1):
-    """``alltoall_moe``'s result (x [T, d], global ``topk_ids`` [T, K], this rank's experts ``w1``,
-    ``w3`` [E_local, F, d] (``w3`` None: ``w1`` is the whole fc1) and ``w2`` [E_local, d, F]) as ops
-    that torch.compile keeps whole. Each token goes once to each rank holding one of its experts;
-    the partial outputs come back and are summed per token in rank order. ``chosen``: this mode's
-    index in ``traffic.MODES`` where each rank chose it alone (``check_same_choice``), else -1."""
-    ranks = dist.get_world_size(group)
-    _check_args(x, topk_ids, topk_probs, w1, w3, w2, ranks, activation, recompute, backend)
+def compiled_alltoall_moe(x, topk_ids, topk_probs, fc1, fc2, group, *, activation="swiglu", recompute="activation",
+                          routing_method="auto", backend="auto", chosen=-1):
+    """The experts over ``group`` (x [T, d], global ``topk_ids`` [T, K], this rank's experts: fc1
+    [E_local, 2F or F, d] or its (gate, up) pair, fc2 [E_local, d, F]) as ops that torch.compile
+    keeps whole. Each token goes once to each rank holding one of its experts; the partial outputs
+    come back and are summed per token in rank order. ``chosen``: this mode's index in
+    ``traffic.MODES`` where each rank chose it alone (``check_same_choice``), else -1. Arguments
+    are checked by the caller (``parallel.moe``)."""
     name = group.group_name
+    experts = (fc1[0] if isinstance(fc1, tuple) else fc1).shape[0]
     recv_x, recv_ids, recv_probs, used_slots, send_token, send_slot, _, splits = torch.ops.moeblaze.ep_dispatch(
-        x, topk_ids, topk_probs, w1.shape[0], name, chosen)
-    out = checked_expert_mlp(recv_x, recv_ids, recv_probs, w1, w3, w2, activation, recompute, routing_method,
-                             backend, used_slots)
+        x, topk_ids, topk_probs, experts, name, chosen)
+    out = moe_mlp(recv_x, recv_ids, recv_probs, fc1, fc2, activation, recompute=recompute, backend=backend,
+                  routing_method=routing_method, validate=False, used_slots=used_slots)
     return torch.ops.moeblaze.ep_combine(out, send_token, send_slot, splits, name)
-
-
-def _check_args(x, topk_ids, topk_probs, w1, w3, w2, ranks, activation, recompute, backend):
-    """The expert MLP's argument checks with the ids global: weights of ``ranks`` times the local
-    experts (zero-stride stand-ins in the weights' dtypes)."""
-    def whole(w):
-        return None if w is None else w.new_empty(()).expand(w.shape[0] * ranks, *w.shape[1:])
-
-    check_split_moe_mlp_args(x, topk_ids, topk_probs, whole(w1), whole(w3), whole(w2), activation, None, recompute,
-                             backend)
 
 
 def check_same_choice(chosen: int, tokens: int, group, device) -> None:

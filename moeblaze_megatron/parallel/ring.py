@@ -17,8 +17,9 @@ tokens travel:
   the blocks travel again with their output gradient; the input and probability gradients travel
   home the same way; each rank sums its weight gradients over the blocks in hop order.
 
-``mode="auto"`` runs the ring that sends fewer bytes per training step (``parallel.traffic``), from
-the group's token counts, gathered first, so every rank makes the same choice.
+Which ring runs is decided by the expert-parallel front (``parallel.moe.resolve_mode``); the
+passes here take it resolved (``EPMode.EXPERT_RING`` or ``EPMode.TOKEN_RING``). The ring keeps
+no pre-activations: it needs ``recompute="fc1"`` (``config.ring_recompute_problem``).
 
 Every sum runs in a fixed order, so results are bitwise the same run to run; the sums that travel
 are float32 (for 16-bit inputs) and rounded once, at home. What autograd keeps per layer is the
@@ -32,14 +33,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..config import RING_CHOICES, RING_MODES
-from ..moe_mlp import expert_mlp_backward, expert_mlp_forward
+from .. import passes
+from ..passes import PassOptions
 from ..reference import compute_dtype
-from ..routing import build_routing_plan
-from .traffic import LayerTraffic, choose_mode
+from .traffic import EPMode
 
-__all__ = ["check_ring_args", "group_mean_tokens", "hop_backward", "hop_forward", "layer_traffic", "ring_backward",
-           "ring_forward", "ring_moe", "shard_row_counts"]
+__all__ = ["RingMoE", "hop_backward", "hop_forward", "ring_backward", "ring_forward",
+           "shard_row_counts"]
 
 
 def shard_row_counts(topk_ids: torch.Tensor, experts_per_rank: int, ep_size: int) -> torch.Tensor:
@@ -47,55 +47,6 @@ def shard_row_counts(topk_ids: torch.Tensor, experts_per_rank: int, ep_size: int
     shard, on the ids' device (no host synchronization)."""
     shard = torch.where(topk_ids >= 0, torch.div(topk_ids, experts_per_rank, rounding_mode="floor"), ep_size)
     return torch.bincount(shard.reshape(-1).long(), minlength=ep_size + 1)[:ep_size]
-
-
-def group_mean_tokens(num_tokens: int, group, device) -> float:
-    """The mean token count over the ranks of ``group`` (one small all-gather, one host
-    synchronization): shapes every rank agrees on, for a choice every rank must make alike."""
-    mine = torch.tensor([num_tokens], dtype=torch.long, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    return torch.cat(every).sum().item() / len(every)
-
-
-def layer_traffic(tokens: float, x, topk_probs, weights, ranks: int) -> LayerTraffic:
-    """The layer's shapes for ``parallel.traffic``: ``tokens`` per rank, the rest from the tensors;
-    ``weights``: this rank's expert weights (fc1 and fc2, or any split of them), expert-major."""
-    return LayerTraffic(tokens=tokens, hidden=x.shape[-1], topk=topk_probs.shape[-1],
-                        experts_per_rank=weights[0].shape[0], ranks=ranks,
-                        weight_numel=sum(w.numel() for w in weights), dtype_bytes=x.element_size(),
-                        prob_bytes=topk_probs.element_size(), weight_bytes=weights[0].element_size())
-
-
-def ring_moe(x, topk_ids, topk_probs, fc1_weight, fc2_weight, group, *, mode: str = "auto",
-             activation: str = "swiglu", backend: str = "auto", routing_method: str = "auto") -> torch.Tensor:
-    """The MoE experts over an expert-parallel ``group`` of P ranks, as a ring.
-
-    x [T, d] this rank's tokens; topk_ids [T, K] global expert ids (-1 unused); topk_probs [T, K];
-    fc1_weight [E_local, 2h or h, d], fc2_weight [E_local, d, h]: this rank's experts (global
-    expert e lives on rank e // E_local). ``mode``: ``"expert"`` (weights travel), ``"token"``
-    (token blocks travel) or ``"auto"`` (the one sending fewer bytes per training step, from the
-    group's token counts, which every rank gathers: the same choice everywhere). T may differ
-    between ranks. Returns y [T, d], as ``moe_mlp`` over all P * E_local experts would;
-    differentiable in x, topk_probs and the weights.
-    """
-    check_ring_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, mode)
-    return _RingMoE.apply(x, topk_probs, fc1_weight, fc2_weight, topk_ids.to(torch.int32), group, mode, activation,
-                          backend, routing_method)
-
-
-def check_ring_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, mode):
-    """``ring_moe``'s argument checks: a ValueError naming the argument."""
-    if mode not in RING_CHOICES:
-        raise ValueError(f"mode must be one of {RING_CHOICES}, got {mode!r}")
-    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"x must be [T, d] and topk_ids [T, K] with the same T, got {tuple(x.shape)} "
-                         f"and {tuple(topk_ids.shape)}")
-    if tuple(topk_probs.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"topk_probs has shape {tuple(topk_probs.shape)}; expected topk_ids' {tuple(topk_ids.shape)}")
-    if fc1_weight.dim() != 3 or fc2_weight.dim() != 3 or fc1_weight.shape[0] != fc2_weight.shape[0]:
-        raise ValueError(f"fc1_weight [E_local, 2h or h, d] and fc2_weight [E_local, d, h] must hold the same "
-                         f"experts, got {tuple(fc1_weight.shape)} and {tuple(fc2_weight.shape)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,7 +97,8 @@ class _Hop:
     not T * K). Where K exceeds the experts per rank, a row holds at most that many of them: its
     routed slots move to the first columns (``cols``), so the plan is as wide as the shard."""
 
-    def __init__(self, topk_ids, shard: int, experts_per_rank: int, rows: int, method: str):
+    def __init__(self, x, topk_ids, topk_probs, weights, shard: int, rows: int, options: PassOptions, needs):
+        experts_per_rank = weights[0].shape[0]
         ids = _shard_ids(topk_ids, shard, experts_per_rank)
         self.cols = None
         self.width = ids.shape[1]
@@ -154,10 +106,8 @@ class _Hop:
             # A stable sort of "unused" flags puts each row's routed slots first, in k order.
             self.cols = torch.sort((ids < 0).to(torch.int8), dim=1, stable=True).indices[:, :experts_per_rank]
             ids = ids.gather(1, self.cols)
-        self.plan = build_routing_plan(ids, experts_per_rank, method=method, validate=False).trimmed(rows)
-
-    def probs(self, topk_probs):
-        return topk_probs if self.cols is None else topk_probs.gather(1, self.cols)
+        self.probs = topk_probs if self.cols is None else topk_probs.gather(1, self.cols)
+        self.plan = passes.build_plan(x, ids, self.probs, *weights, experts_per_rank, options, needs, used_slots=rows)
 
     def spread(self, grad_probs):
         """A gradient of ``probs(topk_probs)`` back in the [T, K] slots (0 elsewhere)."""
@@ -167,24 +117,23 @@ class _Hop:
         return full.scatter_(1, self.cols, grad_probs)
 
 
-def hop_forward(x, topk_ids, topk_probs, weights, shard: int, rows: int, activation: str, backend: str,
-                method: str) -> torch.Tensor:
+def hop_forward(x, topk_ids, topk_probs, weights, shard: int, rows: int, options: PassOptions) -> torch.Tensor:
     """One hop's partial output [T, d] in compute precision: ``x``'s slots routed to rank
     ``shard``'s experts (``topk_ids`` global) through ``weights`` (that shard's fc1 and fc2),
-    nothing saved. ``rows`` must be exactly the count of those slots (``shard_row_counts``): it
-    sizes the hop's buffers, unchecked (a check would synchronize with the host)."""
-    hop = _Hop(topk_ids, shard, weights[0].shape[0], rows, method)
-    return expert_mlp_forward(x, hop.probs(topk_probs), *weights, hop.plan, activation, backend,
-                              out_dtype=compute_dtype(x.dtype))
+    nothing saved (``options.save_pre`` is False on the ring). ``rows`` must be exactly the count
+    of those slots (``shard_row_counts``): it sizes the hop's buffers, unchecked (a check would
+    synchronize with the host)."""
+    hop = _Hop(x, topk_ids, topk_probs, weights, shard, rows, options, (True,) * 4)
+    return passes.forward(x, hop.probs, *weights, hop.plan, options, out_dtype=compute_dtype(x.dtype))[0]
 
 
-def hop_backward(grad_y, x, topk_ids, topk_probs, weights, shard: int, rows: int, activation: str, backend: str,
-                 method: str, needs) -> tuple:
+def hop_backward(grad_y, x, topk_ids, topk_probs, weights, shard: int, rows: int, options: PassOptions,
+                 needs) -> tuple:
     """One hop's gradients ``(x, probs [T, K], fc1, fc2)`` (None where ``needs`` says), its first
     GEMM recomputed."""
-    hop = _Hop(topk_ids, shard, weights[0].shape[0], rows, method)
-    grad_x, grad_probs, grad_fc1, grad_fc2 = expert_mlp_backward(grad_y, x, hop.probs(topk_probs), *weights, hop.plan,
-                                                                 activation, backend, needs=needs)
+    hop = _Hop(x, topk_ids, topk_probs, weights, shard, rows, options, needs)
+    grad_x, grad_probs, grad_fc1, grad_fc2 = passes.backward(grad_y, x, hop.probs, None, *weights, hop.plan, None,
+                                                             options, needs)
     return grad_x, hop.spread(grad_probs), grad_fc1, grad_fc2
 
 
@@ -211,58 +160,61 @@ def _finish(acc, like):
     return torch.zeros_like(like) if acc is None else acc.to(like.dtype)
 
 
-def ring_forward(x, topk_probs, fc1_weight, fc2_weight, topk_ids, group, mode, activation, backend, method):
-    """The ring's forward pass, nothing saved: ``(y, the ring that ran ("expert" or "token"), the
-    host-side sizes its backward takes)``. ``topk_ids`` int32."""
+def ring_forward(x, topk_probs, fc1_weight, fc2_weight, topk_ids, group, mode: EPMode, options: PassOptions):
+    """The ring's forward pass, nothing saved: ``(y, the host-side sizes its backward takes)``.
+    ``topk_ids`` int32; ``mode`` one of the rings."""
     ring = _Ring(group)
     experts = fc1_weight.shape[0]
-    if mode == "expert":
+    if mode is EPMode.EXPERT_RING:
         # Only this rank's rows per shard are needed: no all-gather.
         sizes = [None] * ring.size
         sizes[ring.rank] = [topk_ids.shape[0], *shard_row_counts(topk_ids, experts, ring.size).tolist()]
-    else:
+        run = _expert_forward
+    elif mode is EPMode.TOKEN_RING:
         sizes = ring.sizes(topk_ids, experts)
-    if mode == "auto":
-        tokens = sum(row[0] for row in sizes) / ring.size
-        mode = choose_mode(RING_MODES, layer_traffic(tokens, x, topk_probs, (fc1_weight, fc2_weight), ring.size))
-    run = _expert_forward if mode == "expert" else _token_forward
-    y = run(ring, sizes, x, topk_ids, topk_probs, (fc1_weight, fc2_weight), activation, backend, method)
-    return y, mode, sizes
+        run = _token_forward
+    else:
+        raise ValueError(f"mode must be a ring (EPMode.EXPERT_RING or EPMode.TOKEN_RING), got {mode!r}")
+    y = run(ring, sizes, x, topk_ids, topk_probs, (fc1_weight, fc2_weight), options)
+    return y, sizes
 
 
-def ring_backward(grad_y, x, topk_probs, fc1_weight, fc2_weight, topk_ids, group, mode, sizes, activation, backend,
-                  method, needs):
-    """The ring's backward pass (``mode`` and ``sizes`` as ``ring_forward`` returned them): the
-    gradients of (x, topk_probs, fc1, fc2), None where ``needs`` says."""
-    run = _expert_backward if mode == "expert" else _token_backward
-    grads = run(_Ring(group), sizes, grad_y.contiguous(), x, topk_ids, topk_probs, (fc1_weight, fc2_weight),
-                activation, backend, method, needs)
+def ring_backward(grad_y, x, topk_probs, fc1_weight, fc2_weight, topk_ids, group, mode: EPMode, sizes,
+                  options: PassOptions, needs):
+    """The ring's backward pass (``sizes`` as ``ring_forward`` returned them): the gradients of
+    (x, topk_probs, fc1, fc2), None where ``needs`` says."""
+    run = _expert_backward if mode is EPMode.EXPERT_RING else _token_backward
+    grads = run(_Ring(group), sizes, grad_y.contiguous(), x, topk_ids, topk_probs, (fc1_weight, fc2_weight), options,
+                needs)
     return tuple(g if need else None for g, need in zip(grads, needs))
 
 
-class _RingMoE(torch.autograd.Function):
+class RingMoE(torch.autograd.Function):
+    """The ring's autograd: keeps the layer input, the probabilities, the ids and the weights (and
+    the host-side sizes), nothing of rows x hidden."""
+
     @staticmethod
-    def forward(ctx, x, topk_probs, fc1_weight, fc2_weight, topk_ids, group, mode, activation, backend, method):
-        y, mode, sizes = ring_forward(x.detach(), topk_probs.detach(), fc1_weight.detach(), fc2_weight.detach(),
-                                      topk_ids, group, mode, activation, backend, method)
+    def forward(ctx, x, topk_probs, fc1_weight, fc2_weight, topk_ids, group, mode, options):
+        y, sizes = ring_forward(x.detach(), topk_probs.detach(), fc1_weight.detach(), fc2_weight.detach(), topk_ids,
+                                group, mode, options)
         ctx.save_for_backward(x, topk_probs, fc1_weight, fc2_weight, topk_ids)
-        ctx.config = (group, mode, sizes, activation, backend, method)
+        ctx.config = (group, mode, sizes, options)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x, topk_probs, fc1_weight, fc2_weight, topk_ids = ctx.saved_tensors
-        group, mode, sizes, activation, backend, method = ctx.config
+        group, mode, sizes, options = ctx.config
         grads = ring_backward(grad_y, x, topk_probs, fc1_weight.detach(), fc2_weight.detach(), topk_ids, group, mode,
-                              sizes, activation, backend, method, ctx.needs_input_grad[:4])
-        return (*grads, None, None, None, None, None, None)
+                              sizes, options, ctx.needs_input_grad[:4])
+        return (*grads, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------------------------
 # Expert ring: the weights travel
 
 
-def _expert_forward(ring, sizes, x, topk_ids, topk_probs, weights, activation, backend, method):
+def _expert_forward(ring, sizes, x, topk_ids, topk_probs, weights, options):
     rows = sizes[ring.rank][1:]
     y = None
     shard, spare = weights, None
@@ -274,7 +226,7 @@ def _expert_forward(ring, sizes, x, topk_ids, topk_probs, weights, activation, b
             # The next shard's transfer runs while this one computes.
             works = ring.start(list(shard), list(incoming))
         if rows[owner]:
-            y = _add(y, hop_forward(x, topk_ids, topk_probs, shard, owner, rows[owner], activation, backend, method))
+            y = _add(y, hop_forward(x, topk_ids, topk_probs, shard, owner, rows[owner], options))
         ring.wait(works)
         if hop < ring.size - 1:
             # The shard just sent is free for the hop after next (never our own weights).
@@ -283,7 +235,7 @@ def _expert_forward(ring, sizes, x, topk_ids, topk_probs, weights, activation, b
     return _finish(y, x)
 
 
-def _expert_backward(ring, sizes, grad_y, x, topk_ids, topk_probs, weights, activation, backend, method, needs):
+def _expert_backward(ring, sizes, grad_y, x, topk_ids, topk_probs, weights, options, needs):
     rows = sizes[ring.rank][1:]
     want_weights = needs[2] or needs[3]
     # Each shard's gradient travels in float32 one hop behind its weights, from its owner on, and
@@ -312,7 +264,7 @@ def _expert_backward(ring, sizes, grad_y, x, topk_ids, topk_probs, weights, acti
         works = ring.start(send, recv)
         part = (None, None, None, None)
         if rows[owner]:
-            part = hop_backward(grad_y, x, topk_ids, topk_probs, shard, owner, rows[owner], activation, backend, method,
+            part = hop_backward(grad_y, x, topk_ids, topk_probs, shard, owner, rows[owner], options,
                                 needs=(needs[0], needs[1], want_weights, want_weights))
         grad_x = _add(grad_x, part[0])
         grad_probs = _add(grad_probs, part[1])
@@ -336,25 +288,25 @@ def _expert_backward(ring, sizes, grad_y, x, topk_ids, topk_probs, weights, acti
 # Token ring: the token blocks travel
 
 
-def _token_forward(ring, sizes, x, topk_ids, topk_probs, weights, activation, backend, method):
+def _token_forward(ring, sizes, x, topk_ids, topk_probs, weights, options):
 
     def hop(held, rows):
         x_b, ids_b, probs_b = held
-        return (hop_forward(x_b, ids_b, probs_b, weights, ring.rank, rows, activation, backend, method),)
+        return (hop_forward(x_b, ids_b, probs_b, weights, ring.rank, rows, options),)
 
     block = (x.contiguous(), topk_ids.contiguous(), topk_probs.contiguous())
     (y,) = _token_ring_pass(ring, sizes, block, hop, [(x.shape[1:], compute_dtype(x.dtype))])
     return y.to(x.dtype)
 
 
-def _token_backward(ring, sizes, grad_y, x, topk_ids, topk_probs, weights, activation, backend, method, needs):
+def _token_backward(ring, sizes, grad_y, x, topk_ids, topk_probs, weights, options, needs):
     want_weights = needs[2] or needs[3]
     weight_grads = [None, None]
 
     def hop(held, rows):
         x_b, ids_b, probs_b, grad_y_b = held
-        gx, gp, g1, g2 = hop_backward(grad_y_b, x_b, ids_b, probs_b, weights, ring.rank, rows, activation, backend,
-                                      method, needs=(True, True, want_weights, want_weights))
+        gx, gp, g1, g2 = hop_backward(grad_y_b, x_b, ids_b, probs_b, weights, ring.rank, rows, options,
+                                      needs=(True, True, want_weights, want_weights))
         # This rank's weight gradients, summed over the blocks in hop order.
         weight_grads[0] = _add(weight_grads[0], g1)
         weight_grads[1] = _add(weight_grads[1], g2)

@@ -20,15 +20,31 @@ all read these formulas, so they are written once. What travels, per mode (forwa
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
-from ..config import EP_MODES, RING_MODES
+from ..config import RING_MODES
 
-__all__ = ["LayerTraffic", "MODES", "choose_mode", "hop_bytes", "received_rows", "resolve_ep_mode", "step_bytes"]
+__all__ = ["EPMode", "LayerTraffic", "MODES", "choose_mode", "hop_bytes", "received_rows", "step_bytes"]
 
 # Every way of running the experts across ranks, in the order ties are broken.
 MODES = ("alltoall", *RING_MODES)
 INDEX_BYTES = 4  # int32 expert ids
+
+
+class EPMode(enum.Enum):
+    """How one MoE layer's experts run, resolved for one forward (``parallel.moe.resolve_mode``):
+    on this rank alone (expert parallelism 1), through the token exchange, or as one of the rings.
+    The values are ``MODES``' names (and "local")."""
+
+    LOCAL = "local"
+    ALLTOALL = "alltoall"
+    EXPERT_RING = "expert"
+    TOKEN_RING = "token"
+
+    @property
+    def is_ring(self) -> bool:
+        return self in (EPMode.EXPERT_RING, EPMode.TOKEN_RING)
 
 
 @dataclass(frozen=True)
@@ -107,18 +123,3 @@ def choose_mode(candidates, traffic: LayerTraffic) -> str:
         raise ValueError(f"candidates must be a non-empty list of {MODES}, got {list(candidates)!r}")
     ordered = [m for m in MODES if m in candidates]
     return min(ordered, key=lambda m: sum(step_bytes(m, traffic)))
-
-
-def resolve_ep_mode(ep_mode: str, ring_mode: str, traffic) -> str:
-    """What runs for the options ``ep_mode`` and ``ring_mode`` (``MoEBlazeConfig``'s): "alltoall",
-    a ring ("expert", "token", or "auto": the ring picks itself). ``traffic()`` gives the layer's
-    ``LayerTraffic``, asked for only by ``ep_mode="auto"`` (its token count must be one every rank
-    agrees on: ``ring.group_mean_tokens``)."""
-    if ep_mode == "alltoall":
-        return "alltoall"
-    if ep_mode == "ring":
-        return ring_mode
-    if ep_mode != "auto":
-        raise ValueError(f"ep_mode must be one of {EP_MODES}, got {ep_mode!r}")
-    rings = RING_MODES if ring_mode == "auto" else (ring_mode,)
-    return choose_mode(("alltoall", *rings), traffic())
