@@ -1,9 +1,9 @@
 """Tile configs of the expert GEMMs, their pruning, and what the hardware and a tensor can take.
 
-The config lists are the measured winners on the H200 (benchmarks/NOTES.md has the measurements
-behind each choice); under the interpreter one small tile, with ``MOEBLAZE_AUTOTUNE=0`` one
-general tile per kernel. ``SETTINGS`` is read when the lists are built (at import) and when they are
-pruned (each new shape).
+The config lists are the measured winners (benchmarks/notes/kernels.md and
+benchmarks/notes/weight-gradients.md give the measurement behind each choice); under the interpreter
+one small tile, with ``MOEBLAZE_AUTOTUNE=0`` one general tile per kernel. ``SETTINGS`` is read when
+the lists are built (at import) and when they are pruned (each new shape).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ DS_COLS = 128
 
 # Ragged TMA descriptors for A and C of a plain GEMM in expert order are faster on the GPU but cost
 # the host tens of microseconds a launch: below this many FLOPs (~0.2 ms of GPU, where the host-bound
-# small shapes begin) a GEMM keeps its pointers. 2**37 takes in the 7B-like fc2 (benchmarks/NOTES.md).
+# small shapes begin) a GEMM keeps its pointers. 2**37 takes in the 7B-like fc2
+# (benchmarks/notes/kernels.md, "TMA_ROWS_MIN_FLOPS: ragged TMA rows from 2^37 FLOPs a launch").
 TMA_ROWS_MIN_FLOPS = 2**37
 
 
@@ -92,7 +93,8 @@ def _gather_gemm_tiles():
 
 # Narrow tiles (64 rows or 64 columns) are timed only where the experts average fewer rows than
 # this: with more, they never won a SwiGLU forward or a plain GEMM on the H200, and every config
-# timed lengthens a shape's first call by its compiling and timing (benchmarks/NOTES.md).
+# timed lengthens a shape's first call by its compiling and timing (benchmarks/notes/kernels.md,
+# "NARROW_TILE_ROWS_PER_EXPERT: narrow tiles only where experts average under 128 rows").
 NARROW_TILE_ROWS_PER_EXPERT = 128
 
 
@@ -127,8 +129,9 @@ def prune_gather_gemm(configs, named_args, **kwargs):
         keep = [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) != (128, 128)
                 and not (wide_only and _narrow(c))]
         if wide_only and args.get("TMA_ROWS"):
-            # Through ragged TMA rows the persistent 128x256 tile won 50 of the 52 tunings on record
-            # (benchmarks/NOTES.md, twenty-first session): it runs untimed.
+            # Through ragged TMA rows the persistent 128x256 tile won nearly every tuning on record:
+            # it runs untimed (benchmarks/notes/kernels.md,
+            # "Through ragged TMA rows the persistent 128x256 tile runs untimed").
             keep = [c for c in keep if c.kwargs.get("PERSISTENT")][:1] or keep
     else:
         keep = configs
@@ -186,8 +189,9 @@ def prune_weight_grad(configs, named_args, **kwargs):
             or (c.kwargs[long_side] == c.kwargs[short_side] and not strict)] or configs
     if strict and args.get("TMA"):
         # With the ordered operand through TMA, the first long tile of the list won every tuning
-        # on record (45 of 45: benchmarks/NOTES.md, twenty-first session); which depth wins
-        # depends on the shape (thirty-third), and one tile gives the same bits at any depth.
+        # on record; which depth wins depends on the shape, and one tile gives the same bits at any
+        # depth (benchmarks/notes/weight-gradients.md,
+        # "Weight-gradient depths: 256x128x32 at s8 and s12, 128x256x64 at s5 and s7").
         keep = [c for c in keep if _tile(c) == _tile(keep[0])]
     return keep
 

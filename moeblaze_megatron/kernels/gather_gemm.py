@@ -468,8 +468,10 @@ def gather_gemm_call(a, weight, out, plan, *, transpose_weight, epilogue=EPI_STO
 
 # The knob's launches go to the warp-specialized kernel from this many output columns (the layer's
 # width) on, per fused epilogue: fc1's from 1024 (below, its faster fc1 did not shorten the
-# layer's step: benchmarks/NOTES.md, twenty-ninth session); dH's wherever the knob names it (it
-# is slower than the Triton kernel at every width measured: thirty-first session).
+# layer's step: benchmarks/notes/kernels.md,
+# "WS_MIN_COLUMNS: the warp-specialized fc1 from 1024 columns"); dH's wherever the knob names it
+# (it is slower than the Triton kernel at every width measured: same file,
+# "The warp-specialized dH stays off by default").
 WS_MIN_COLUMNS = {EPI_ACT_FWD: 1024, EPI_ACT_BWD: 0}
 
 

@@ -1,9 +1,9 @@
 """The gather GEMM's fused-epilogue launches on Hopper with the epilogue in warps of its own (Gluon).
 
 ``gather_gemm_kernel`` runs a tile's epilogue in the warps that multiplied it, so the tensor cores
-idle while the saved pre-activations are read and the results written: 23-41% of dH's time on the
-benchmarked shapes (benchmarks/NOTES.md, twenty-third session). Here one persistent program per
-multiprocessor runs two partitions on different tiles at once:
+idle while the saved pre-activations are read and the results written (benchmarks/notes/epilogues.md,
+"What the fused epilogues cost"). Here one persistent program per multiprocessor runs two partitions
+on different tiles at once:
 
 - the main loop (8 warps, two warpgroups on one tile: fc1's 128 x 256, the Triton kernel's; dH's
   128 x 128): A's rows gathered by token with ``cp.async`` (each thread's copies arrive on an
@@ -555,9 +555,10 @@ def gather_gemm_ws_kernel(
 # gate and 128 up columns), three 48 KB stages beside the 64 KB tile buffer (208 KB). dH: 128 x 128
 # (DS_COLS: the router-gradient partials' span), four 32 KB stages, the 32 KB tile buffer and the
 # tile's pre-activations by TMA, 64 KB for SwiGLU (224 KB of the 227 KB a program may have; a
-# 128 x 256 tile leaves no room for them, and two stages cost too much: benchmarks/NOTES.md).
-# 4 epilogue warps each: dH's epilogue waits on its main loop more than half the time, and 8
-# warps (16 x 128 registers) measured slower (thirty-first session).
+# 128 x 256 tile leaves no room for them, and two stages cost too much: benchmarks/notes/kernels.md,
+# "The Gluon kernel's main loop: two loops per tile, BLOCK_K 64 at three stages"). 4 epilogue warps
+# each: dH's epilogue waits on its main loop more than half the time, and 8 warps (16 x 128
+# registers) were slower (benchmarks/notes/kernels.md, "The warp-specialized dH stays off by default").
 WS_TILES = {
     EPI_ACT_FWD: dict(BLOCK_M=128, BLOCK_N=2 * DS_COLS, BLOCK_K=64, GROUP_M=8, STAGES=3, CHUNK=16, EPILOGUE_WARPS=4),
     EPI_ACT_BWD: dict(BLOCK_M=128, BLOCK_N=DS_COLS, BLOCK_K=64, GROUP_M=8, STAGES=4, CHUNK=16, EPILOGUE_WARPS=4),

@@ -15,8 +15,8 @@ launch, without atomics:
   and token_index_map[slot] = p (-1 for unused keys, which sort last, so the -1 tail comes for
   free), and the same block of slots in slot order: token_expert_indices = the unsorted key, or -1.
 
-It replaces about 15 PyTorch ops after the sort, each its own launch (a host-time floor; see
-benchmarks/NOTES.md).
+It replaces about 15 PyTorch ops after the sort, each its own launch (a host-time floor:
+benchmarks/notes/routing-plan.md, "The sort path's one kernel").
 """
 
 from __future__ import annotations

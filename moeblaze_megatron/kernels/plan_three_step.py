@@ -15,7 +15,8 @@ each program of the first expert block fills the part of the tail that lies in i
 
 Why step (b) is split this way: one prefix sum over all E * num_tiles counts must run in a single
 program (programs have no barrier without atomics), and that one sequential pass over E * num_tiles
-counts made the build no faster than an argsort at many experts (benchmarks/NOTES.md). The scan
+counts made the build no faster than an argsort at many experts (benchmarks/notes/routing-plan.md,
+"Step (b) runs per expert, not as one prefix sum"). The scan
 over tiles is independent per expert, so it runs as E programs of num_tiles counts each (one
 4K-wide block up to T = 2M); what still crosses experts is a prefix over only E totals, which
 every scatter program recomputes from L2 for less than a fourth launch would cost. Likewise the

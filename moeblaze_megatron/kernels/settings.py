@@ -15,7 +15,9 @@ of the Triton kernel, whose epilogue runs in the warps that multiplied the tile 
 but the router-gradient partials' last bits): ``fwd`` (the default: fc1 with the activation, the
 faster there on an H100), ``1`` (fc1 and dH with the activation
 backward), ``bwd`` (dH only) or ``0`` (neither), each where the layer is wide enough
-(``gather_gemm.WS_MIN_COLUMNS``); benchmarks/NOTES.md has the measurements.
+(``gather_gemm.WS_MIN_COLUMNS``); the measurements: benchmarks/notes/kernels.md,
+"WS_MIN_COLUMNS: the warp-specialized fc1 from 1024 columns" and
+"The warp-specialized dH stays off by default".
 ``TRITON_INTERPRET=1``: Triton runs the kernels on CPU tensors in its interpreter (how CI tests
 them); Triton itself reads it when a kernel is decorated, so it must be set before the import.
 
