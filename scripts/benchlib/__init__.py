@@ -5,16 +5,13 @@ works with no path edits; the package itself comes from ``pip install -e .`` (or
 shapes               the layer shapes (CONFIGS, ALIASES), one layer's random inputs, FLOPs, memory floor
 baselines            every implementation of one MoE layer (moeblaze and its peers), IMPL_CLASSES
 accuracy             rel_err, one implementation against the float64 reference
-timing               clocks: CUDA events (idle or queued behind a spin), host time, dense matmul rate
+timing               clocks: CUDA events (idle or queued behind a spin), dense matmul rate
 layer_bench          one layer's times and memory per implementation, the bench_layer run
 layer_report         bench_layer's markdown table and chart
-profiling            CUDA time per kernel, idle gaps, cProfile, labelled profiler timelines
-host_costs           host time of each launch site (host_overhead)
+profiling            CUDA time per kernel, idle gaps, cProfile, matrix instructions, compile times
 combine_bench        the combine kernel's variants against the torch ops they replace
 kernel_tuning        every expert-GEMM launch timed config by config (tune_kernels)
-ncu_source           Nsight Compute's per-instruction stall samples by loop level (ncu_stalls)
 nvml                 the GPU's power, clock and energy counter through NVML (a sampler, a window over steps)
-power                NVML energy per step, back to back and queued (power_probe)
 routing_bench        the routing plan's build time against stock index computations (bench_routing)
 megatron_checks      Megatron world, layer and GPTModel builders, equivalence against fp32, step times
 ep_bench             expert parallelism under torchrun (bench_expert_parallel)
