@@ -16,23 +16,18 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import platform
 import shlex
 import shutil
-import statistics
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
-from .memory_search import gc_free, largest_text, search_memory
+from .comparison import REPO, Progress, comparison_ratios, loss_check, mib, plot, record_step, summarize
+from .dispatcher_report import markdown, variants_markdown
+from .memory_search import gc_free, search_memory
 
-REPO = Path(__file__).resolve().parents[2]
-
-NOISE_FACTOR = 4.0
-NOISE_FLOOR = 4.0
 DEFAULT_DATA_PREFIX = REPO / "data" / "pystdlib_text_document"
 DEFAULT_OUT = REPO / "runs" / "compare"  # git-ignored (/runs/)
 
@@ -50,16 +45,6 @@ RESUME_STEPS = 12  # of the tiny model; the checkpoint is written half way
 # speed options (training.families.TE_STOCK_VARIANTS).
 TE_BASELINE = "alltoall_te"
 VARIANT_WARMUP = 3  # first steps of a variant's trial left out of its median (compilation, TE setup)
-
-
-class Progress:
-    """Prints a message with the seconds since it was made."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-
-    def __call__(self, message: str) -> None:
-        print(f"[{time.perf_counter() - self.start:7.1f}s] {message}", flush=True)
 
 
 def resolve(args):
@@ -225,18 +210,6 @@ def train(trainer, label: str, steps: int, progress, save_at: int | None = None,
     return record
 
 
-def record_step(record: dict, result, label: str, index: int, steps: int, progress, iteration: int) -> None:
-    """Append step ``index``'s loss, time and tokens to ``record``; fail on a non-finite loss
-    (``iteration``: the trainer's step count, for the message); report six times a run."""
-    record["losses"].append(result.loss)
-    record["step_seconds"].append(result.seconds)
-    record["tokens_per_step"] = result.tokens
-    if not math.isfinite(result.loss):
-        raise RuntimeError(f"{label}: loss is {result.loss} at step {iteration}")
-    if (index + 1) % max(1, steps // 6) == 0 or index + 1 == steps:
-        progress(f"  {label}: step {index + 1:4d}/{steps}  loss {result.loss:.4f}  {result.seconds * 1e3:8.1f} ms/step")
-
-
 class SavedBytes:
     """Bytes autograd keeps for backward during a micro-batch's forward pass (parameters
     excluded), the largest over the micro-batches counted. Every saved storage is counted once,
@@ -264,54 +237,6 @@ class SavedBytes:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield
         self.total = max(self.total, sum(storages.values()))
-
-
-def comparison_ratios(base: dict, cand: dict, search: dict | None, byte_keys=("saved_activation_bytes",)) -> dict:
-    """The candidate's run against the baseline's, each ratio named for its direction:
-    ``step_time_speedup`` baseline / candidate step time; ``<name>_fraction`` candidate / baseline
-    bytes for each of ``byte_keys`` ("<name>_bytes") and the peak (below 1: less);
-    ``largest_fitting_ratio`` candidate / baseline largest fitting size of the memory search."""
-    ratios = {"step_time_speedup": base["median_step_seconds"] / cand["median_step_seconds"]}
-    for key in byte_keys:
-        if base.get(key) is not None and cand.get(key) is not None:  # None: not counted
-            ratios[key.removesuffix("_bytes") + "_fraction"] = cand[key] / max(1, base[key])
-    if base.get("peak_memory_bytes"):
-        ratios["peak_memory_fraction"] = cand["peak_memory_bytes"] / base["peak_memory_bytes"]
-    if search and search["baseline"]["largest_fitting"] and search["candidate"]["largest_fitting"]:
-        ratios["largest_fitting_ratio"] = search["candidate"]["largest_fitting"] / search["baseline"]["largest_fitting"]
-    return ratios
-
-
-def summarize(record: dict, warmup: int) -> None:
-    timed = record["step_seconds"][warmup:]
-    record["median_step_seconds"] = statistics.median(timed)
-    record["tokens_per_second"] = record["tokens_per_step"] / record["median_step_seconds"]
-
-
-def loss_check(baseline: list[float], candidate: list[float], control: list[float], unit_roundoff: float,
-               tokens_per_step: int, control_of: str = "baseline") -> dict:
-    """Per step: |candidate - baseline| <= max(NOISE_FACTOR * envelope, floor), the envelope being
-    the running maximum of |control - reference| (the reference: the run the control repeats from
-    weights moved by one ulp, ``control_of`` "baseline" or "candidate") and the floor
-    NOISE_FLOOR * max(u * |baseline| / sqrt(tokens_per_step), float32 ulp of the baseline)."""
-    import numpy
-
-    if control_of not in ("baseline", "candidate"):
-        raise ValueError(f"control_of must be 'baseline' or 'candidate', got {control_of!r}")
-    reference = baseline if control_of == "baseline" else candidate
-    envelope, rows, worst = 0.0, [], 0.0
-    for step, (b, c, k, r) in enumerate(zip(baseline, candidate, control, reference), start=1):
-        envelope = max(envelope, abs(k - r))
-        floor = NOISE_FLOOR * max(unit_roundoff * abs(b) / math.sqrt(tokens_per_step),
-                                  float(numpy.spacing(numpy.float32(abs(b)))))
-        tolerance = max(NOISE_FACTOR * envelope, floor)
-        diff = abs(c - b)
-        worst = max(worst, diff / tolerance)
-        rows.append({"step": step, "baseline": b, "candidate": c, "control": k, "abs_diff": diff,
-                     "tolerance": tolerance})
-    return {"passed": worst <= 1.0, "worst_diff_over_tolerance": worst, "noise_factor": NOISE_FACTOR,
-            "noise_floor_roundoffs": NOISE_FLOOR, "unit_roundoff": unit_roundoff,
-            "tokens_per_step": tokens_per_step, "control_of": control_of, "steps": rows}
 
 
 def resume_check(args, device, data_path, progress, unit_roundoff: float) -> dict:
@@ -384,104 +309,6 @@ def write_outputs(out: Path, result: dict) -> None:
     plot(out / "losses.png", result)
 
 
-def _mib(value) -> str:
-    if value is None:
-        return "n/a"
-    mib = value / 2**20
-    return f"{mib:,.0f}" if mib >= 100 else f"{mib:.2f}"
-
-
-def _label(run: dict) -> str:
-    return run.get("label", run["dispatcher"])
-
-
-def markdown(result: dict) -> str:
-    base, cand = result["runs"]["baseline"], result["runs"]["candidate"]
-    lines = [
-        f"# {_label(cand)} vs {_label(base)}: {result['config']['family']} on {result['environment']['device']}",
-        "",
-        f"Command: `{result['command']}`",
-        "",
-        "| dispatcher | median step (ms) | tokens/s | peak memory (MiB) | saved for backward (MiB) |"
-        + (f" largest {result['search']['dimension']} in {result['config']['memory_budget_gib']:g} GiB |"
-           if result.get("search") else ""),
-        "|---|---|---|---|---|" + ("---|" if result.get("search") else ""),
-    ]
-    for run_name, run in (("baseline", base), ("candidate", cand)):
-        row = (f"| {_label(run)} | {run['median_step_seconds'] * 1e3:.1f} | {run['tokens_per_second']:,.0f} | "
-               f"{_mib(run.get('peak_memory_bytes'))} | {_mib(run.get('saved_activation_bytes'))} |")
-        if result.get("search"):
-            row += f" {largest_text(result['search'][run_name])} |"
-        lines.append(row)
-    if any(r.get("extra_args") for r in (base, cand)):
-        lines += [""] + [f"{_label(r)} flags: `{' '.join(r['extra_args'])}`" for r in (base, cand) if r.get("extra_args")]
-    if result.get("stock_selection"):
-        lines += ["", "Stock variants, each timed from the same weights on the same batches; the fastest is the "
-                  "baseline:", "", *variants_markdown(result["stock_selection"])]
-    ratios = result["ratios"]
-    lines += ["", f"Step time: {ratios['step_time_speedup']:.2f}x faster with {_label(cand)}; "
-              f"saved activations: {1 / max(ratios['saved_activation_fraction'], 1e-12):.2f}x less"
-              + (f"; largest {result['search']['dimension']}: {ratios['largest_fitting_ratio']:.2f}x"
-                 if ratios.get("largest_fitting_ratio") else "") + "."]
-    check = result["loss_check"]
-    lines += ["", f"## Losses ({'agree' if check['passed'] else 'DIVERGE'}: worst |diff| / tolerance = "
-              f"{check['worst_diff_over_tolerance']:.2f})", "",
-              f"Tolerance per step: max({check['noise_factor']:g} x the running max of |control - "
-              f"{check.get('control_of', 'baseline')}|, "
-              f"{check['noise_floor_roundoffs']:g} x max({check['unit_roundoff']:.2e} x loss / sqrt("
-              f"{check['tokens_per_step']} tokens), float32 ulp of the loss)); the control run repeats the "
-              f"{check.get('control_of', 'baseline')} with every initial weight moved by one ulp.", "",
-              "| step | baseline | candidate | control | abs diff | tolerance |", "|---|---|---|---|---|---|"]
-    rows = check["steps"]
-    shown = sorted({0, len(rows) - 1, *range(0, len(rows), max(1, len(rows) // 10))})
-    for i in shown:
-        r = rows[i]
-        lines.append(f"| {r['step']} | {r['baseline']:.5f} | {r['candidate']:.5f} | {r['control']:.5f} | "
-                     f"{r['abs_diff']:.2e} | {r['tolerance']:.2e} |")
-    if result.get("resume"):
-        resume = result["resume"]
-        lines += ["", f"## Resume ({'ok' if resume['passed'] else 'FAILED'})", "",
-                  f"Tiny model, {resume['steps']} steps; the {_label(base)} run saved a Megatron "
-                  f"checkpoint at step {resume['checkpoint_step']}, resumed under each dispatcher:", ""]
-        for name, r in resume["resumed"].items():
-            lines.append(f"- {name}: max |loss diff| vs uninterrupted {r['max_abs_diff']:.2e} "
-                         f"(worst diff / tolerance {r['worst_diff_over_tolerance']:.2f})")
-    return "\n".join(lines) + "\n"
-
-
-def plot(path: Path, result: dict) -> bool:
-    """The loss overlay at ``path``; False where matplotlib is missing (said once, nothing written)."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no losses.png (pip install matplotlib)", flush=True)
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["loss_check"]["steps"]
-    steps = [r["step"] for r in rows]
-    base, cand = _label(result["runs"]["baseline"]), _label(result["runs"]["candidate"])
-    control_of = result["loss_check"].get("control_of", "baseline")
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    top.plot(steps, [r["baseline"] for r in rows], label=base, linewidth=2)
-    top.plot(steps, [r["candidate"] for r in rows], label=cand, linewidth=1.2, linestyle="--")
-    top.set_ylabel("lm loss")
-    top.set_title(f"{result['config']['family']}: {cand} vs {base} ({result['environment']['device']})")
-    top.legend()
-    bottom.semilogy(steps, [max(r["abs_diff"], 1e-12) for r in rows], label=f"|{cand} - {base}|")
-    bottom.semilogy(steps, [max(abs(r["control"] - r[control_of]), 1e-12) for r in rows],
-                    label=f"|control - {control_of}| (1-ulp weights)", alpha=0.7)
-    bottom.semilogy(steps, [r["tolerance"] for r in rows], label="tolerance", color="black", linestyle=":")
-    bottom.set_xlabel("step")
-    bottom.set_ylabel("abs loss difference")
-    bottom.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
 def time_stock_variants(args, device, data_path, progress, initial_state=None):
     """Each of --stock-variants trained --variant-steps steps from the same weights on the same
     batches, its median step time after VARIANT_WARMUP steps; a variant that fails to build or
@@ -542,18 +369,6 @@ def select_stock_variant(args, device, data_path, progress, initial_state=None):
             "warmup": VARIANT_WARMUP}, initial_state
 
 
-def variants_markdown(selection: dict) -> list[str]:
-    """The stock variants' table: flags, median step time or why it did not run, the chosen one."""
-    lines = [f"| stock variant | flags (stock / both) | median step (ms) over {selection['steps'] - selection['warmup']} "
-             f"steps |", "|---|---|---|"]
-    for name, r in selection["variants"].items():
-        flags = " ".join(r["stock_args"]) + " / " + (" ".join(r["shared_args"]) or "-")
-        flags += "".join(f" ({k}={v})" for k, v in r["env"].items())
-        time_ = f"{r['median_step_seconds'] * 1e3:.1f}" if "median_step_seconds" in r else f"not run: {r['error']}"
-        lines.append(f"| {name}{' (chosen)' if name == selection['chosen'] else ''} | {flags} | {time_} |")
-    return lines
-
-
 def compare(args, device, progress, save_partial=None) -> dict:
     """The stock variant selection (--baseline alltoall_te with several), the baseline, candidate
     and control runs, the loss check, the memory search (GPU) and the resume check, as
@@ -599,8 +414,8 @@ def compare(args, device, progress, save_partial=None) -> dict:
             if name != "control":
                 progress(f"  {record['label']}: median {record['median_step_seconds'] * 1e3:.1f} ms/step, "
                          f"{record['tokens_per_second']:,.0f} tokens/s, saved for backward "
-                         f"{_mib(record.get('saved_activation_bytes'))} MiB"
-                         + (f", peak {_mib(record['peak_memory_bytes'])} MiB" if "peak_memory_bytes" in record else ""))
+                         f"{mib(record.get('saved_activation_bytes'))} MiB"
+                         + (f", peak {mib(record['peak_memory_bytes'])} MiB" if "peak_memory_bytes" in record else ""))
             if args.search != "none" and name != "control":
                 progress(f"  searching the largest {args.search} within {args.memory_budget_gib:g} GiB "
                          f"(at most {args.search_time_limit:g}s) ...")

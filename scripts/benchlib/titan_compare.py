@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from .dispatcher_compare import REPO, Progress, _mib, comparison_ratios, loss_check, plot, record_step, summarize
+from .comparison import REPO, Progress, comparison_ratios, loss_check, mib, plot, record_step, summarize
 from .memory_search import fits_in_memory, gc_free, largest_fitting, largest_text, probe_line
 
 DEFAULT_OUT = REPO / "runs" / "compare_torchtitan"  # git-ignored (/runs/)
@@ -341,8 +341,8 @@ def compare(args, device, progress, cuda_graphs: bool, partial: Path | None = No
             record["moe_layers"] = len(trainer.routed_experts())
         if name != "control":
             progress(f"  {run.label}: median {record['median_step_seconds'] * 1e3:.1f} ms/step, "
-                     f"{record['tokens_per_second']:,.0f} tokens/s, MoE saved {_mib(record['saved_moe_bytes'])} MiB"
-                     + (f", peak {_mib(record['peak_memory_bytes'])} MiB" if "peak_memory_bytes" in record else ""))
+                     f"{record['tokens_per_second']:,.0f} tokens/s, MoE saved {mib(record['saved_moe_bytes'])} MiB"
+                     + (f", peak {mib(record['peak_memory_bytes'])} MiB" if "peak_memory_bytes" in record else ""))
         if args.search != "none" and name != "control":
             limit = args.search_time_limit
             if args.time_budget:
@@ -397,8 +397,8 @@ def table(result: dict) -> str:
         r = runs[name]
         largest = largest_text(search[name]) if search else "-"
         lines.append(f"| {r['dispatcher']} | {r['median_step_seconds'] * 1e3:.1f} | {r['tokens_per_second']:,.0f} | "
-                     f"{_mib(r.get('peak_memory_bytes'))} | {_mib(r['saved_moe_bytes'])} | "
-                     f"{_mib(r['saved_activation_bytes'])} | {largest} |")
+                     f"{mib(r.get('peak_memory_bytes'))} | {mib(r['saved_moe_bytes'])} | "
+                     f"{mib(r['saved_activation_bytes'])} | {largest} |")
     bound = ratios.get("step_time_speedup_bound")
     lines.append(f"step time {ratios['step_time_speedup']:.2f}x stock (goal >= 1.3"
                  + (f"; {bound:.2f}x with routed experts that took no time)" if bound else ")")

@@ -1,4 +1,4 @@
-"""compare_dispatchers.py's loss check, memory search (benchlib.dispatcher_compare and
+"""compare_dispatchers.py's loss check, memory search (benchlib.comparison, dispatcher_compare and
 benchlib.memory_search), verdict and command line. (The training loop it drives is tested in
 tests/training/test_train_loop.py.)"""
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchlib import comparison
 from benchlib import dispatcher_compare as compare
 from benchlib.memory_search import largest_fitting, search_memory
 
@@ -27,19 +28,19 @@ def test_loss_check_tolerance():
     fp32_u, bf16_u = 2.0**-24, 2.0**-8
     baseline = [6.0, 5.0, 4.0, 3.0]
     control = [6.0, 5.0 + 1e-3, 4.0, 3.0]  # the control diverged by 1e-3 at step 2
-    same = compare.loss_check(baseline, list(baseline), control, fp32_u, 256)
+    same = comparison.loss_check(baseline, list(baseline), control, fp32_u, 256)
     assert same["passed"] and same["worst_diff_over_tolerance"] == 0.0
-    within = compare.loss_check(baseline, [6.0, 5.0, 4.0 + 3.9e-3, 3.0], control, fp32_u, 256)  # < 4 x envelope
+    within = comparison.loss_check(baseline, [6.0, 5.0, 4.0 + 3.9e-3, 3.0], control, fp32_u, 256)  # < 4 x envelope
     assert within["passed"]
-    beyond = compare.loss_check(baseline, [6.0, 5.0, 4.0 + 4.1e-3, 3.0], control, fp32_u, 256)
+    beyond = comparison.loss_check(baseline, [6.0, 5.0, 4.0 + 4.1e-3, 3.0], control, fp32_u, 256)
     assert not beyond["passed"] and beyond["worst_diff_over_tolerance"] > 1.0
     # Before the control diverges the floor applies. fp32: 4 float32 ulps of the loss (ulp(6) = 2**-21).
     ulp6 = 2.0**-21
-    assert compare.loss_check(baseline, [6.0 + 3 * ulp6, 5.0, 4.0, 3.0], control, fp32_u, 256)["passed"]
-    assert not compare.loss_check(baseline, [6.0 + 5 * ulp6, 5.0, 4.0, 3.0], control, fp32_u, 256)["passed"]
+    assert comparison.loss_check(baseline, [6.0 + 3 * ulp6, 5.0, 4.0, 3.0], control, fp32_u, 256)["passed"]
+    assert not comparison.loss_check(baseline, [6.0 + 5 * ulp6, 5.0, 4.0, 3.0], control, fp32_u, 256)["passed"]
     # bf16 over 4096 tokens: 4 * 2**-8 * 6 / 64 ~ 1.5e-3.
-    assert compare.loss_check(baseline, [6.0 + 1.4e-3, 5.0, 4.0, 3.0], control, bf16_u, 4096)["passed"]
-    assert not compare.loss_check(baseline, [6.0 + 1.6e-3, 5.0, 4.0, 3.0], control, bf16_u, 4096)["passed"]
+    assert comparison.loss_check(baseline, [6.0 + 1.4e-3, 5.0, 4.0, 3.0], control, bf16_u, 4096)["passed"]
+    assert not comparison.loss_check(baseline, [6.0 + 1.6e-3, 5.0, 4.0, 3.0], control, bf16_u, 4096)["passed"]
 
 
 @pytest.mark.parametrize("threshold,start,granule", [(37, 2, 1), (1, 4, 1), (5000, 4096, 256), (0, 2, 1), (10**9, 2, 1)])
@@ -88,12 +89,12 @@ def test_comparison_ratios_name_their_direction():
     base = {"median_step_seconds": 0.3, "saved_activation_bytes": 400, "saved_moe_bytes": 300, "peak_memory_bytes": 80}
     cand = {"median_step_seconds": 0.1, "saved_activation_bytes": 100, "saved_moe_bytes": 30, "peak_memory_bytes": 60}
     search = {"baseline": {"largest_fitting": 8}, "candidate": {"largest_fitting": 14}}
-    ratios = compare.comparison_ratios(base, cand, search, byte_keys=("saved_activation_bytes", "saved_moe_bytes"))
+    ratios = comparison.comparison_ratios(base, cand, search, byte_keys=("saved_activation_bytes", "saved_moe_bytes"))
     assert ratios == pytest.approx({"step_time_speedup": 3.0, "saved_activation_fraction": 0.25,
                                     "saved_moe_fraction": 0.1, "peak_memory_fraction": 0.75,
                                     "largest_fitting_ratio": 1.75})
     # No peak (CPU), no search or a search that found nothing: those ratios are left out.
-    plain = compare.comparison_ratios({**base, "peak_memory_bytes": None}, cand,
+    plain = comparison.comparison_ratios({**base, "peak_memory_bytes": None}, cand,
                                       {"baseline": {"largest_fitting": None}, "candidate": {"largest_fitting": 4}})
     assert set(plain) == {"step_time_speedup", "saved_activation_fraction"}
 
@@ -139,7 +140,7 @@ def test_compare_dispatchers_fails_on_divergence(tmp_path, monkeypatch, capsys):
                                         ("control", "allgather", control))}
         return {"config": {"family": "tiny", "memory_budget_gib": 80.0}, "environment": {"device": "cpu"},
                 "runs": runs, "ratios": {"step_time_speedup": 1.0, "saved_activation_fraction": 1.0},
-                "loss_check": compare.loss_check(baseline, candidate, control, 2.0**-24, 64)}
+                "loss_check": comparison.loss_check(baseline, candidate, control, 2.0**-24, 64)}
 
     assert compare.DEFAULT_OUT == REPO / "runs" / "compare"
     assert "/runs/" in (REPO / ".gitignore").read_text().split()

@@ -11,7 +11,9 @@ import os
 
 import pytest
 import torch
+from benchlib import comparison
 from benchlib import dispatcher_compare as compare
+from benchlib import dispatcher_report
 
 from moeblaze_megatron.training import families, pretraining, train_loop
 
@@ -145,7 +147,7 @@ def test_selection_then_comparison_with_the_chosen_form(monkeypatch, with_te):
     assert result["ratios"]["step_time_speedup"] == pytest.approx(0.28 / 0.08)
     check = result["loss_check"]
     assert check["passed"] and check["control_of"] == "candidate"
-    markdown = compare.markdown({**result, "command": "test"})
+    markdown = dispatcher_report.markdown({**result, "command": "test"})
     assert "| te (chosen) |" in markdown and "not run: AssertionError" in markdown
     assert "| alltoall_te [te] |" in markdown and "repeats the candidate" in markdown
 
@@ -168,10 +170,10 @@ def test_loss_check_envelope_follows_the_control():
     baseline, candidate = [6.0, 5.0, 4.0], [6.0, 5.0 + 3e-3, 4.0]
     control_of_candidate = [6.0, 5.0 + 2.9e-3, 4.0]  # 1e-4 from the candidate, 2.9e-3 from the baseline
     u = 2.0**-24
-    assert compare.loss_check(baseline, candidate, control_of_candidate, u, 64, "baseline")["passed"]
-    assert not compare.loss_check(baseline, candidate, control_of_candidate, u, 64, "candidate")["passed"]
+    assert comparison.loss_check(baseline, candidate, control_of_candidate, u, 64, "baseline")["passed"]
+    assert not comparison.loss_check(baseline, candidate, control_of_candidate, u, 64, "candidate")["passed"]
     with pytest.raises(ValueError, match="control_of"):
-        compare.loss_check(baseline, candidate, candidate, u, 64, "stock")
+        comparison.loss_check(baseline, candidate, candidate, u, 64, "stock")
 
 
 def test_run_spec_flags_follow_te_and_apex(monkeypatch):

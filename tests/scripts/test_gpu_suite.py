@@ -70,7 +70,7 @@ def _fake_tools(tmp_path):
         "  *transformer_engine*|*megatron.core*) exit 0 ;;\n"
         f'  "-c "*) exec {sys.executable} "$@" ;;\n'
         f"  scripts/compare_dispatchers.py*|scripts/bench_layer.py*|scripts/compare_torchtitan.py*) "
-        f"PYTHONPATH=scripts exec {sys.executable} "
+        f"PYTHONPATH={REPO}:{REPO}/scripts exec {sys.executable} "
         f'{tmp_path}/parse.py "$@" ;;\n'
         "esac\n"
         "exit 0\n")
