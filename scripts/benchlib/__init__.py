@@ -22,7 +22,8 @@ ep_memory            the per-rank memory and ring-overlap model of one MoE layer
 ring_hop             one hop of the expert-parallel ring measured on one GPU (bench_ring_hop)
 memory_search        the largest micro-batch or sequence that fits a memory budget
 comparison           what both training comparisons share: progress, step records, ratios, the loss check, the plot
-dispatcher_compare   stock Megatron against MoEBlaze training runs, stock variant selection, resume check (compare_dispatchers)
+dispatcher_compare   stock Megatron against MoEBlaze training runs, argument checks, stock variants, resume
+                     check (compare_dispatchers)
 dispatcher_report    compare_dispatchers' report.md
 titan_compare        stock torchtitan against the override, one GPU or the CPU (compare_torchtitan)
 pretrain_hooks       the hooks Megatron's pretrain() calls for a GPT model (pretrain_gpt)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,42 @@ REPO = Path(__file__).resolve().parents[2]
 
 NOISE_FACTOR = 4.0
 NOISE_FLOOR = 4.0
+
+
+class ArgumentError(SystemExit):
+    """An argument the comparison cannot run with, found before anything is built: exit status 2,
+    as argparse's own errors; ``argument_errors`` prints it as one line naming the flag."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def check_counts(parser, args, positive, steps="steps") -> None:
+    """The numbers both comparisons take, checked where the command line is parsed:
+    ``positive`` (names of args) above 0 where given, --warmup at least 0, ``steps`` at least 4
+    (warm-up plus timed steps); ``parser.error`` names the flag otherwise."""
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.warmup is not None and args.warmup < 0:
+        parser.error(f"--warmup must be at least 0, got {args.warmup}")
+    if getattr(args, steps) is not None and getattr(args, steps) < 4:
+        parser.error(f"--steps must be at least 4 (warmup plus timed steps), got {getattr(args, steps)}")
+
+
+def argument_errors(prog: str, resolve, *args):
+    """``resolve(*args)``'s result; on an ArgumentError, "prog: error: message" on stderr and
+    the exit status 2 (then the result is None)."""
+    try:
+        return resolve(*args), 0
+    except ArgumentError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+        return None, 2
 
 
 class Progress:

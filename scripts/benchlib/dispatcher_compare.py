@@ -24,7 +24,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from .comparison import REPO, Progress, comparison_ratios, loss_check, mib, plot, record_step, summarize
+from .comparison import (REPO, ArgumentError, Progress, argument_errors, comparison_ratios, loss_check, mib, plot,
+                         record_step, summarize)
 from .dispatcher_report import markdown, variants_markdown
 from .memory_search import gc_free, search_memory
 
@@ -41,6 +42,9 @@ DEFAULTS = {
                  warmup=5, lr=3e-4, search="micro-batch"),
 }
 RESUME_STEPS = 12  # of the tiny model; the checkpoint is written half way
+# The resume check's runs: the tiny model whatever the family.
+RESUME_RUN = dict(family="tiny", seq_length=64, micro_batch_size=4, train_iters=RESUME_STEPS, lr=3e-3, min_lr=3e-4,
+                  warmup_iters=2)
 # The stock MoE Megatron users run with Transformer Engine: alltoall + TEGroupedMLP + a variant's
 # speed options (training.families.TE_STOCK_VARIANTS).
 TE_BASELINE = "alltoall_te"
@@ -48,11 +52,21 @@ VARIANT_WARMUP = 3  # first steps of a variant's trial left out of its median (c
 
 
 def resolve(args):
-    """Fill the per-device defaults and check the stock form; returns the device."""
+    """Check every argument and fill the per-device defaults, before anything is built or trained;
+    returns the device. An argument that cannot run raises ArgumentError naming the flag."""
     import torch
 
+    from moeblaze_megatron.training.families import (
+        MODEL_FAMILIES,
+        cpu_refusal,
+        family_parameters,
+        megatron_cpu_families,
+    )
+    from moeblaze_megatron.megatron_plugin import MOEBLAZE
+    from moeblaze_megatron.training.train_loop import megatron_dispatchers
+
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
+        raise ArgumentError("--device cuda: no CUDA device is available")
     if args.device == "cpu" or not torch.cuda.is_available():
         device = torch.device("cpu")
     else:
@@ -60,16 +74,62 @@ def resolve(args):
     for name, value in DEFAULTS[device.type].items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
-    from moeblaze_megatron.training.families import MODEL_FAMILIES
-
     if args.family not in MODEL_FAMILIES:
-        raise SystemExit(f"--family must be one of {sorted(MODEL_FAMILIES)}, got {args.family!r}")
+        raise ArgumentError(f"--family must be one of {', '.join(MODEL_FAMILIES)}, got {args.family!r}")
+    if device.type == "cpu":
+        refusal = cpu_refusal("--family", args.family, family_parameters(args.family), megatron_cpu_families())
+        if refusal:
+            raise ArgumentError(refusal)
+    dispatchers = megatron_dispatchers()
+    stock = [d for d in dispatchers if d != MOEBLAZE]
+    if args.baseline not in (*stock, TE_BASELINE):
+        raise ArgumentError(f"--baseline must be one of {', '.join((*stock, TE_BASELINE))}, got {args.baseline!r}")
+    if args.candidate not in dispatchers:
+        raise ArgumentError(f"--candidate must be one of {', '.join(dispatchers)}, got {args.candidate!r}")
     if device.type == "cpu" and args.search != "none":
-        raise SystemExit("--search needs a GPU (it measures the CUDA allocator's peak); use --search none")
-    if args.warmup >= args.steps:
-        raise SystemExit(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
+        raise ArgumentError("--search needs a GPU (it measures the CUDA allocator's peak); use --search none")
+    if not 0 <= args.warmup < args.steps:
+        raise ArgumentError(f"--warmup ({args.warmup}) must be at least 0 and smaller than --steps ({args.steps})")
+    if args.data not in ("builtin", "mock"):
+        if not all(Path(f"{args.data}{ext}").is_file() for ext in (".bin", ".idx")):
+            raise ArgumentError(f"--data: no Megatron indexed dataset at {args.data} ({args.data}.bin and .idx); "
+                                "expected builtin, mock or a dataset prefix")
     resolve_stock_form(args, device)
+    check_megatron_args(args, device)
     return device
+
+
+def check_megatron_args(args, device) -> None:
+    """Every run's Megatron command line through Megatron's parser, its validation and the
+    plugin's own check, the candidate's first (so that what MoEBlaze refuses is said as MoEBlaze
+    says it), then the baseline's in each stock variant, then the resume check's; the first
+    problem raises ArgumentError, naming --megatron-args where it comes from there."""
+    from moeblaze_megatron.training.train_loop import megatron_argv_problem
+
+    data_path = None if args.data in ("builtin", "mock") else args.data
+    chosen = args.stock_variant
+    runs = [dict()] + ([RESUME_RUN] if args.resume_check else [])
+    try:
+        for overrides in runs:
+            for args.stock_variant in (args.stock_variants or [None]):
+                for which in ("candidate", "baseline"):
+                    dispatcher, extra, _ = form(args, which)
+
+                    def problem(user_args):
+                        spec = run_spec(args, device, dispatcher, data_path, extra, megatron_args=user_args,
+                                        **overrides)
+                        return megatron_argv_problem(spec.megatron_argv(device))
+
+                    found = problem(args.megatron_args)
+                    if found is None:
+                        continue
+                    if args.megatron_args and problem([]) is None:
+                        raise ArgumentError(f"--megatron-args {shlex.join(args.megatron_args)}: {found}")
+                    family = overrides.get("family", args.family)
+                    raise ArgumentError(f"the {label(args, which)} run of --family {family}: Megatron refuses its "
+                                        f"arguments: {found}")
+    finally:
+        args.stock_variant = chosen
 
 
 def resolve_stock_form(args, device) -> None:
@@ -87,32 +147,32 @@ def resolve_stock_form(args, device) -> None:
     if isinstance(args.stock_variants, str):
         args.stock_variants = [v for v in args.stock_variants.split(",") if v]
     if args.stock_variants and not te:
-        raise SystemExit(f"--stock-variants applies to --baseline {TE_BASELINE}, not --baseline {args.baseline}")
+        raise ArgumentError(f"--stock-variants applies to --baseline {TE_BASELINE}, not --baseline {args.baseline}")
     if args.select_only and not te:
-        raise SystemExit(f"--select-only selects among the stock variants of --baseline {TE_BASELINE}")
+        raise ArgumentError(f"--select-only selects among the stock variants of --baseline {TE_BASELINE}")
     if te:
         if device.type != "cuda":
-            raise SystemExit(f"--baseline {TE_BASELINE} needs a GPU (Transformer Engine runs on CUDA)")
+            raise ArgumentError(f"--baseline {TE_BASELINE} needs a GPU (Transformer Engine runs on CUDA)")
         from moeblaze_megatron.training.pretraining import have_transformer_engine
 
         if not have_transformer_engine():
-            raise SystemExit(f"--baseline {TE_BASELINE} needs Transformer Engine (import transformer_engine "
+            raise ArgumentError(f"--baseline {TE_BASELINE} needs Transformer Engine (import transformer_engine "
                              "failed); install it, or compare against --baseline alltoall (SequentialMLP)")
         args.stock_variants = args.stock_variants or ["te"]
         for name in args.stock_variants:
             try:
                 te_stock_variant(name)
             except ValueError as error:
-                raise SystemExit(f"--stock-variants: {error}") from None
+                raise ArgumentError(f"--stock-variants: {error}") from None
         if len(set(args.stock_variants)) != len(args.stock_variants):
-            raise SystemExit(f"--stock-variants names a variant twice: {args.stock_variants}")
+            raise ArgumentError(f"--stock-variants names a variant twice: {args.stock_variants}")
         if args.variant_steps <= VARIANT_WARMUP:
-            raise SystemExit(f"--variant-steps must exceed the {VARIANT_WARMUP} warm-up steps, got {args.variant_steps}")
+            raise ArgumentError(f"--variant-steps must exceed the {VARIANT_WARMUP} warm-up steps, got {args.variant_steps}")
     args.stock_variant = args.stock_variants[0] if te else None
     if args.attention is None:
         args.attention = "auto" if te else "sdpa"
     if args.control not in ("baseline", "candidate"):
-        raise SystemExit(f"--control must be baseline or candidate, got {args.control!r}")
+        raise ArgumentError(f"--control must be baseline or candidate, got {args.control!r}")
 
 
 def form(args, which: str):
@@ -166,11 +226,12 @@ def ensure_dataset(args, progress) -> str | None:
     return str(DEFAULT_DATA_PREFIX)
 
 
-def run_spec(args, device, dispatcher: str, data_path, extra=(), **overrides):
-    """The RunSpec of one run: ``dispatcher`` with ``extra`` Megatron flags, then --megatron-args."""
+def run_spec(args, device, dispatcher: str, data_path, extra=(), megatron_args=None, **overrides):
+    """The RunSpec of one run: ``dispatcher`` with ``extra`` Megatron flags, then --megatron-args
+    (or ``megatron_args`` in their place)."""
     from moeblaze_megatron.training.train_loop import RunSpec
 
-    extra = [*extra, *shlex.split(args.megatron_args)]
+    extra = [*extra, *(args.megatron_args if megatron_args is None else megatron_args)]
     fields = dict(
         family=args.family, dispatcher=dispatcher, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, train_iters=args.steps, data_path=data_path,
@@ -246,8 +307,7 @@ def resume_check(args, device, data_path, progress, unit_roundoff: float) -> dic
     from moeblaze_megatron.training.train_loop import Trainer
 
     half = RESUME_STEPS // 2
-    tiny = dict(family="tiny", seq_length=64, micro_batch_size=4, train_iters=RESUME_STEPS, lr=3e-3,
-                min_lr=3e-4, warmup_iters=2)
+    tiny = RESUME_RUN
     workdir = Path(tempfile.mkdtemp(prefix="moeblaze_resume_"))
     try:
         progress(f"resume check (tiny model, {RESUME_STEPS} steps, checkpoint at step {half}):")
@@ -481,7 +541,9 @@ def run(args, command: str) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     for name in ("megatron", "torch.utils.cpp_extension", "matplotlib"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    device = resolve(args)
+    device, status = argument_errors("compare_dispatchers.py", resolve, args)
+    if status:
+        return status
     out = Path(args.out) if args.out else DEFAULT_OUT / f"{args.family}-{'gpu' if device.type == 'cuda' else 'cpu'}"
     progress(f"outputs go to {_shown(out)}/")
     if getattr(args, "select_only", False):

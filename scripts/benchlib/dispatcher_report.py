@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .comparison import mib, run_label
 from .memory_search import largest_text
+from .wording import faster, larger, less
 
 
 def markdown(result: dict) -> str:
@@ -31,10 +32,12 @@ def markdown(result: dict) -> str:
         lines += ["", "Stock variants, each timed from the same weights on the same batches; the fastest is the "
                   "baseline:", "", *variants_markdown(result["stock_selection"])]
     ratios = result["ratios"]
-    lines += ["", f"Step time: {ratios['step_time_speedup']:.2f}x faster with {run_label(cand)}; "
-              f"saved activations: {1 / max(ratios['saved_activation_fraction'], 1e-12):.2f}x less"
-              + (f"; largest {result['search']['dimension']}: {ratios['largest_fitting_ratio']:.2f}x"
-                 if ratios.get("largest_fitting_ratio") else "") + "."]
+    said = [f"step time {faster(ratios['step_time_speedup'])} with {run_label(cand)}"]
+    if ratios.get("saved_activation_fraction"):
+        said.append(f"saved activations {less(ratios['saved_activation_fraction'])}")
+    if ratios.get("largest_fitting_ratio"):
+        said.append(f"largest {result['search']['dimension']} {larger(ratios['largest_fitting_ratio'])}")
+    lines += ["", "Against " + run_label(base) + ": " + "; ".join(said) + "."]
     check = result["loss_check"]
     lines += ["", f"## Losses ({'agree' if check['passed'] else 'DIVERGE'}: worst |diff| / tolerance = "
               f"{check['worst_diff_over_tolerance']:.2f})", "",
