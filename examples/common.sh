@@ -24,6 +24,11 @@ set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
+# Training needs a GPU. Without one the entry point itself says so and what to run instead: run
+# it directly, not under torchrun, so that its message is the last line (no torchrun traceback).
+if [[ "${DRY_RUN:-0}" != 1 ]] && ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    exec "$PYTHON" "$REPO/scripts/pretrain_gpt.py"
+fi
 DISPATCHER=${DISPATCHER:-moeblaze}
 NPROC=${NPROC:-1}
 SEQ_LEN=${SEQ_LEN:-4096}

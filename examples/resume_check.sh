@@ -16,6 +16,10 @@ set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PYTHON=${PYTHON:-python3}
 BASELINE=${BASELINE:-alltoall}
+# Without a GPU the entry point's own message, and nothing after it.
+if ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    exec "$PYTHON" "$HERE/../scripts/pretrain_gpt.py"
+fi
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 

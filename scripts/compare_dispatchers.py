@@ -2,9 +2,20 @@
 """Train one model with the stock dispatcher and with MoEBlaze: same weights, seed and data.
 
     python scripts/compare_dispatchers.py                        # auto: GPU if there is one
-    python scripts/compare_dispatchers.py --family deepseek_v3   # on a GPU: the goal models
+    python scripts/compare_dispatchers.py --family deepseek_v3   # on a GPU: mixtral | deepseek_v3 | qwen3_moe
     python scripts/compare_dispatchers.py --device cpu --steps 30
     python scripts/compare_dispatchers.py --baseline alltoall_te --stock-variants te,te_unfused_router,te_op_fuser
+    python scripts/compare_dispatchers.py --steps 20 --megatron-args --moe-router-topk 4 --moe-aux-loss-coeff 1e-2
+
+On the CPU only the families whose fp32 training state fits the CPU's budget run (tiny:
+training.families.CPU_TRAINING_STATE_BYTES); the others are refused before anything is built.
+
+--megatron-args adds Megatron flags to every run (after the script's own, so they win): either the
+rest of the command line (--megatron-args --moe-router-topk 4, last on the line; this script's
+own flags go before it) or one value after '=' (--megatron-args='--moe-router-topk 4'). Every
+argument, these included, is checked before anything trains: with Megatron's own parser and
+validation for each run, and with the plugin's refusal for MoEBlaze's (an option MoEBlaze does
+not support, e.g. --fp8-format, is named as one error line, exit status 2).
 
 The stock side: a Megatron dispatcher with SequentialMLP (--baseline alltoall, the default on a
 GPU: what Megatron runs without Transformer Engine), or --baseline alltoall_te, the stock MoE of
@@ -43,7 +54,10 @@ import argparse
 import shlex
 import sys
 
+from benchlib.comparison import check_counts
 from benchlib.dispatcher_compare import run
+
+MEGATRON_ARGS = "--megatron-args"
 
 
 def parse_args(argv=None):
@@ -64,7 +78,8 @@ def parse_args(argv=None):
                    "with --baseline alltoall_te, else sdpa")
     p.add_argument("--control", choices=("baseline", "candidate"), default="baseline",
                    help="which run the rounding-noise control repeats from weights moved by one ulp")
-    p.add_argument("--candidate", default="moeblaze", help="dispatcher compared against the baseline")
+    p.add_argument("--candidate", default="moeblaze",
+                   help="dispatcher compared against the baseline (moeblaze, or a stock one of Megatron's)")
     p.add_argument("--steps", type=int, help="training steps per run")
     p.add_argument("--warmup", type=int, help="first steps left out of the step-time median")
     p.add_argument("--seq-length", type=int)
@@ -79,15 +94,24 @@ def parse_args(argv=None):
     p.add_argument("--memory-budget-gib", type=float, default=80.0, help="memory budget of the search")
     p.add_argument("--search-time-limit", type=float, default=90.0, help="seconds of search per dispatcher")
     p.add_argument("--no-resume-check", dest="resume_check", action="store_false")
-    p.add_argument("--megatron-args", default="", help="extra Megatron flags for every run (quoted)")
+    p.add_argument(MEGATRON_ARGS, type=shlex.split, default=[], metavar="FLAGS",
+                   help="Megatron flags added to every run: the rest of the command line (--megatron-args "
+                   "--moe-router-topk 4, last) or one value after '=' (--megatron-args='--moe-router-topk 4')")
     p.add_argument("--out", help="output folder (default runs/compare/<family>-<cpu|gpu>, git-ignored)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = []
+    if MEGATRON_ARGS in argv:
+        # The natural form: everything after the flag is Megatron's.
+        argv, rest = argv[:argv.index(MEGATRON_ARGS)], argv[argv.index(MEGATRON_ARGS) + 1:]
+        if not rest:
+            p.error(f"{MEGATRON_ARGS}: expected Megatron flags after it (e.g. {MEGATRON_ARGS} --moe-router-topk 4)")
+        own = [token for token in rest if token.split("=", 1)[0] in p._option_string_actions]
+        if own:
+            p.error(f"{MEGATRON_ARGS} takes the rest of the command line as Megatron's flags, and {own[0]} is this "
+                    f"script's own: put it before {MEGATRON_ARGS}")
     args = p.parse_args(argv)
-    for name in ("steps", "seq_length", "micro_batch_size"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if args.steps is not None and args.steps < 4:
-        p.error(f"--steps must be at least 4 (warmup plus timed steps), got {args.steps}")
+    args.megatron_args += [flag for token in rest for flag in shlex.split(token)]
+    check_counts(p, args, ("steps", "seq_length", "micro_batch_size", "memory_budget_gib", "search_time_limit", "lr"))
     return args
 
 

@@ -32,6 +32,7 @@ import argparse
 import shlex
 import sys
 
+from benchlib.comparison import check_counts
 from benchlib.titan_compare import run
 
 from moeblaze_megatron.training.titan_choices import ACTIVATION_CHECKPOINTS, ATTENTIONS, COMPILES, LOSSES
@@ -79,10 +80,9 @@ def parse_args(argv=None):
                    help="also profile the queued routed-experts timing (torch.profiler): each run's ops and kernels "
                    "by total time, in layer_profile_<run>.txt under --out")
     args = p.parse_args(argv)
-    for name in ("steps", "seq_len", "local_batch_size"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    check_counts(p, args, ("steps", "seq_len", "local_batch_size", "memory_budget_gib", "search_time_limit", "lr"))
+    if args.time_budget is not None and args.time_budget < 0:
+        p.error(f"--time-budget must be at least 0 (0: no budget), got {args.time_budget}")
     if args.seq_len is not None and args.seq_len % 8:
         p.error(f"--seq-len must be a multiple of 8 (torchtitan's chunked loss splits it in 8), got {args.seq_len}")
     if args.count_saved is None:
@@ -90,8 +90,6 @@ def parse_args(argv=None):
     elif args.count_saved == "on" and args.compile != "off":
         p.error("--count-saved on counts through module hooks that torch.compile cannot trace (fullgraph); "
                 "count with --compile off")
-    if args.steps is not None and args.steps < 4:
-        p.error(f"--steps must be at least 4 (warmup plus timed steps), got {args.steps}")
     return args
 
 

@@ -20,11 +20,17 @@ export PYTHONUNBUFFERED=1
 # NVLink multicast can put the shared host's GPUs out of service: off in NCCL, PyTorch and NVSHMEM
 # (bench_expert_parallel.py sets the same defaults; exported here for every process torchrun starts).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Expert parallelism needs two GPUs at least: say so before anything is installed or launched.
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "$gpus" -lt 2 ]; then
+  echo "gpu_multi: expert parallelism on GPUs needs 2 or more, and this machine has $gpus; on the CPU:" \
+    "torchrun --nproc-per-node 2 scripts/bench_expert_parallel.py --device cpu --shape tiny --out DIR"
+  exit 1
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "gpu_multi: installing the carried wheels failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=index,name,clocks.sm,memory.used --format=csv,noheader
 nvidia-smi topo -m 2>/dev/null | head -n $((gpus + 1))
 eps=""

@@ -16,8 +16,7 @@
 # times one hop of the expert-parallel ring at the memory model's shapes (bench_ring_hop); "tune"
 # times the six GEMMs config by config, TUNE_ARGS adds tune_kernels.py flags; "ncu" profiles one
 # launch with Nsight Compute (NCU_KERNEL, NCU_OPS, NCU_SHAPE: see the step); LAYER_CONFIGS,
-# LAYER_ACTS, LAYER_IMPLS and LAYER_FLAGS (default --profile) shape the layer step; "power" runs
-# scripts/power_probe.py --kernels on POWER_CONFIGS and POWER_IMPLS; "titan" trains stock torchtitan
+# LAYER_ACTS, LAYER_IMPLS and LAYER_FLAGS (default --profile) shape the layer step; "titan" trains stock torchtitan
 # 0.3.0 and the override side by side, scripts/compare_torchtitan.py with TITAN_FLAGS, ~5 minutes,
 # torchtitan's wheels in .whl; "ws_ab" takes the layer with dH's activation backward in the
 # warp-specialized kernel, MOEBLAZE_WARP_SPECIALIZE=1, against the default, WS_AB_ROUNDS (3)
@@ -25,7 +24,7 @@
 # alone, float64 checks in the first round only). Every step's whole output
 # is kept as $out/STEP.log. Results go to $OUT (default benchmarks/results/latest).
 #
-# Transformer Engine steps (issue 23; TE must already be in /tmp/site: ../shared/tools/te-device.sh's
+# Transformer Engine steps (TE must already be in /tmp/site: ../shared/tools/te-device.sh's
 # five calls, the last one running `bash .te/install.sh && STEPS=te_check bash scripts/gpu_suite.sh`):
 #   te_check    scripts/gpu_megatron_check.py --te: MoEBlaze under the TE layer spec against stock
 #               alltoall + TEGroupedMLP (+ fused permutation and router), layer and GPTModel against a
@@ -44,7 +43,6 @@
 #               checkpoint resumed under both dispatchers through Megatron's save/load_checkpoint,
 #               tiny model, ~1 minute) runs for TE_RESUME_FAMILY only (default none: te_check already
 #               moves torch_dist checkpoints both ways)
-# A short table of every TE record in $out is printed last (scripts/te_summary.py).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/latest}
@@ -53,8 +51,8 @@ export PYTHONUNBUFFERED=1
 steps=" ${STEPS:-tests megatron routing layer silu} "
 for name in $steps; do
   case $name in
-    tests|megatron|routing|ring|tune|ncu|power|layer|silu|ws_ab|titan|te_check|te_layer|te_select|te_compare) ;;
-    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing ring tune ncu power layer silu ws_ab titan" \
+    tests|megatron|routing|ring|tune|ncu|layer|silu|ws_ab|titan|te_check|te_layer|te_select|te_compare) ;;
+    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing ring tune ncu layer silu ws_ab titan" \
          "te_check te_layer te_select te_compare"; exit 1 ;;
   esac
 done
@@ -88,7 +86,7 @@ step() {
 
 # A machine still warm from the previous call keeps /tmp: MegaBlocks is built once.
 if [ -x .whl/build-megablocks.sh ] && [ ! -d /tmp/mb/megablocks ] \
-    && [[ $steps == *" layer "* || $steps == *" silu "* || $steps == *" power "* ]]; then
+    && [[ $steps == *" layer "* || $steps == *" silu "* ]]; then
   (bash .whl/build-megablocks.sh > /tmp/megablocks_build.log 2>&1; echo "megablocks build rc=$?" >> /tmp/megablocks_build.log) &
   build=$!
 fi
@@ -120,8 +118,6 @@ if [ -n "${build:-}" ]; then
   wait "$build"; tail -n 2 /tmp/megablocks_build.log
 fi
 [ -d /tmp/mb/megablocks ] && export PYTHONPATH=/tmp/mb:$PYTHONPATH
-step power "${POWER_S:-200}" 120 python3 scripts/power_probe.py --out "$out" --kernels --seconds "${POWER_SECONDS:-3}" \
-  --configs "${POWER_CONFIGS:-conf4,7b}" --impls "${POWER_IMPLS:-moeblaze,grouped_mm,megablocks}"
 # shellcheck disable=SC2086  # LAYER_FLAGS is a list of flags
 step layer "${LAYER_S:-260}" 200 python3 scripts/bench_layer.py --out "$out" --configs "${LAYER_CONFIGS:-qwen3,7b,conf4,dsv3}" \
   --acts "${LAYER_ACTS:-swiglu}" --reps 5 --impls "${LAYER_IMPLS:-moeblaze,grouped_mm,megatron_sequential,megablocks,liger,scattermoe}" \
@@ -138,7 +134,7 @@ for round in $(seq 1 "${WS_AB_ROUNDS:-3}"); do
   done
 done
 
-# Transformer Engine (issue 23): see the header.
+# Transformer Engine: see the header.
 step te_check "${TE_CHECK_S:-300}" 40 python3 scripts/gpu_megatron_check.py --te --out "$out/gpu_megatron_check_te.json"
 te_layer_configs=()
 [ -n "${TE_LAYER_CONFIGS:-}" ] && te_layer_configs=(--configs "$TE_LAYER_CONFIGS")
@@ -177,7 +173,3 @@ tar czf /tmp/results.tar.gz -C "$out" . && mv /tmp/results.tar.gz "$out/"
 find "$out" -mindepth 2 -type f -delete && find "$out" -mindepth 1 -type d -empty -delete
 find "$out" -type f ! -name '*.json' ! -name results.tar.gz -delete
 echo "gpu_suite: done; results in $out"
-if [[ $steps == *" te_"* ]]; then
-  echo "== Transformer Engine summary"
-  python3 scripts/te_summary.py "$out"
-fi

@@ -7,6 +7,7 @@ launch scripts carry exactly these flags (a test checks it).
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass, field
 
 from .corpus import TOKENIZER_ARGS
@@ -19,10 +20,16 @@ __all__ = [
     "NO_TE_ARGS",
     "TE_STOCK_ARGS",
     "TE_STOCK_VARIANTS",
+    "CPU_TRAINING_STATE_BYTES",
     "StockVariant",
+    "cpu_refusal",
     "family_args",
+    "family_parameters",
+    "fits_cpu",
     "have_apex_fusions",
+    "megatron_cpu_families",
     "te_stock_variant",
+    "training_state_bytes",
 ]
 
 # Architecture flags of each model family, scaled to fit one GPU (fewer layers, narrower).
@@ -149,3 +156,76 @@ def family_args(family: str) -> list[str]:
         raise ValueError(f"family must be one of {sorted(MODEL_FAMILIES)}, got {family!r}")
     return [*MODEL_FAMILIES[family], *COMMON_MODEL_ARGS]
 
+
+
+# What a family may need to train on the CPU: its fp32 training state (weights, gradients and
+# Adam's two moments, TRAINING_STATE_BYTES_PER_PARAMETER bytes a parameter) within this budget,
+# a small share of any machine's memory. The CPU demo (tiny) needs a few MB; the GPU families
+# need 20-40 GB, and a CPU that tries them runs out of memory.
+CPU_TRAINING_STATE_BYTES = 2**30
+TRAINING_STATE_BYTES_PER_PARAMETER = 16
+
+
+def _flag_value(argv: list[str], flag: str, default: str | None = None) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else default
+
+
+def _moe_layers(pattern: str, layers: int) -> int:
+    """How many of ``layers`` are MoE layers under ``--moe-layer-freq``: an int k (every k-th
+    layer), or a per-layer pattern of 0s and 1s written as Megatron reads it, ``([0]*1+[1]*3)``."""
+    if pattern.isdigit():
+        return sum(1 for i in range(layers) if i % int(pattern) == 0)
+    runs = re.findall(r"\[([01])\]\*(\d+)", pattern)
+    if not runs or sum(int(n) for _, n in runs) != layers:
+        raise ValueError(f"--moe-layer-freq {pattern!r}: expected an int or ([0]*a+[1]*b...) over {layers} layers")
+    return sum(int(n) for flag, n in runs if flag == "1")
+
+
+def family_parameters(family: str) -> int:
+    """The parameter count of a family, from its flags: embeddings and output layer (the padded
+    vocabulary), attention, dense MLPs and MoE layers (routed experts, shared expert, router);
+    norms left out."""
+    argv = family_args(family)
+    number = lambda flag, default=None: int(_flag_value(argv, flag, default))  # noqa: E731
+    layers, d, heads = number("--num-layers"), number("--hidden-size"), number("--num-attention-heads")
+    head_dim = number("--kv-channels", str(d // heads))
+    groups = number("--num-query-groups") if "--group-query-attention" in argv else heads
+    matrices = 3 if "--swiglu" in argv else 2  # gate, up, down (SwiGLU) or up, down
+    attention = 2 * d * heads * head_dim + 2 * d * groups * head_dim  # q and out, k and v
+    dense = matrices * d * number("--ffn-hidden-size")
+    experts = number("--num-experts")
+    moe = (experts * matrices * d * number("--moe-ffn-hidden-size") + d * experts
+           + matrices * d * number("--moe-shared-expert-intermediate-size", "0"))
+    moe_layers = _moe_layers(_flag_value(argv, "--moe-layer-freq", "1"), layers)
+    outputs = 2 if "--untie-embeddings-and-output-weights" in argv else 1
+    # Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by (128).
+    divisor = number("--make-vocab-size-divisible-by", "128")
+    vocab = -(-number("--vocab-size") // divisor) * divisor
+    return outputs * vocab * d + layers * attention + moe_layers * moe + (layers - moe_layers) * dense
+
+
+def training_state_bytes(parameters: int) -> int:
+    """Bytes of fp32 training state (weights, gradients, Adam's moments) of ``parameters``."""
+    return parameters * TRAINING_STATE_BYTES_PER_PARAMETER
+
+
+def fits_cpu(parameters: int) -> bool:
+    """Whether a model of ``parameters`` trains within the CPU budget."""
+    return training_state_bytes(parameters) <= CPU_TRAINING_STATE_BYTES
+
+
+def cpu_refusal(flag: str, family: str, parameters: int, cpu_families) -> str | None:
+    """Why ``family`` (``parameters`` of them) cannot train on the CPU, as one line naming
+    ``flag`` and the families that can (``cpu_families``); None where it fits the CPU budget."""
+    if fits_cpu(parameters):
+        return None
+    state = training_state_bytes(parameters)
+    return (f"{flag} {family} does not run on the CPU: {parameters / 1e9:.2f} billion parameters, "
+            f"{state / 2**30:.0f} GiB of fp32 training state (the CPU takes up to "
+            f"{CPU_TRAINING_STATE_BYTES / 2**30:g} GiB); on the CPU use {flag} {' or '.join(cpu_families)}, "
+            f"or run {flag} {family} on a GPU")
+
+
+def megatron_cpu_families() -> list[str]:
+    """The Megatron families that fit the CPU budget."""
+    return [f for f in MODEL_FAMILIES if fits_cpu(family_parameters(f))]

@@ -51,6 +51,13 @@ class TitanFamily:
     top_k: int
     max_seq_len: int
 
+    def parameters(self) -> int:
+        """The parameter count: embeddings and output layer (the byte vocabulary), attention, and
+        every layer's routed experts (gate, up, down) and router; norms left out."""
+        attention = 2 * self.dim * self.n_heads * self.head_dim + 2 * self.dim * self.n_kv_heads * self.head_dim
+        moe = self.num_experts * 3 * self.dim * self.moe_hidden_dim + self.dim * self.num_experts
+        return 2 * BYTE_VOCAB_SIZE * self.dim + self.n_layers * (attention + moe)
+
 
 TITAN_FAMILIES = {
     # Qwen3-30B-A3B's MoE layers (d 2048, 128 experts of 768, top-8, softmax with route_norm, 32

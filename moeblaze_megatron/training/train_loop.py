@@ -188,6 +188,42 @@ def parse_megatron_args(argv: list[str]):
     return args
 
 
+def megatron_dispatchers() -> tuple[str, ...]:
+    """The values Megatron's --moe-token-dispatcher-type takes (its TransformerConfig's), and
+    the plugin's moeblaze."""
+    import typing
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ..megatron_plugin import MOEBLAZE
+
+    stock = typing.get_args(typing.get_type_hints(TransformerConfig)["moe_token_dispatcher_type"])
+    return (*stock, MOEBLAZE)
+
+
+def megatron_argv_problem(argv: list[str]) -> str | None:
+    """What Megatron's parser, its validation or the plugin's own check (for the moeblaze
+    dispatcher) refuses in ``argv``, as one line; None when a Trainer would accept it. Parsing
+    only: nothing is built."""
+    from ..megatron_plugin import install
+
+    install()
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            parse_megatron_args(argv)
+    except SystemExit:
+        # argparse prints its usage, then "prog: error: message" (the plugin's refusal lists its
+        # problems on the lines after it, one "  - " item each).
+        text = errors.getvalue()
+        message = text.split(": error: ", 1)[1] if ": error: " in text else text
+        head, *items = [line.strip() for line in message.strip().splitlines() if line.strip()]
+        return " ".join([head, "; ".join(item.removeprefix("- ") for item in items)]).strip()
+    except (AssertionError, ValueError) as error:  # Megatron's validate_args refuses by assertion
+        return f"{type(error).__name__}: {' '.join(str(error).split())}"
+    return None
+
+
 @dataclass
 class StepResult:
     loss: float

@@ -16,23 +16,19 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import platform
 import shlex
 import shutil
-import statistics
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
-from .memory_search import gc_free, largest_text, search_memory
+from .comparison import (REPO, ArgumentError, Progress, argument_errors, comparison_ratios, loss_check, mib, plot,
+                         record_step, summarize)
+from .dispatcher_report import markdown, variants_markdown
+from .memory_search import gc_free, search_memory
 
-REPO = Path(__file__).resolve().parents[2]
-
-NOISE_FACTOR = 4.0
-NOISE_FLOOR = 4.0
 DEFAULT_DATA_PREFIX = REPO / "data" / "pystdlib_text_document"
 DEFAULT_OUT = REPO / "runs" / "compare"  # git-ignored (/runs/)
 
@@ -46,28 +42,31 @@ DEFAULTS = {
                  warmup=5, lr=3e-4, search="micro-batch"),
 }
 RESUME_STEPS = 12  # of the tiny model; the checkpoint is written half way
+# The resume check's runs: the tiny model whatever the family.
+RESUME_RUN = dict(family="tiny", seq_length=64, micro_batch_size=4, train_iters=RESUME_STEPS, lr=3e-3, min_lr=3e-4,
+                  warmup_iters=2)
 # The stock MoE Megatron users run with Transformer Engine: alltoall + TEGroupedMLP + a variant's
 # speed options (training.families.TE_STOCK_VARIANTS).
 TE_BASELINE = "alltoall_te"
 VARIANT_WARMUP = 3  # first steps of a variant's trial left out of its median (compilation, TE setup)
 
 
-class Progress:
-    """Prints a message with the seconds since it was made."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-
-    def __call__(self, message: str) -> None:
-        print(f"[{time.perf_counter() - self.start:7.1f}s] {message}", flush=True)
-
-
 def resolve(args):
-    """Fill the per-device defaults and check the stock form; returns the device."""
+    """Check every argument and fill the per-device defaults, before anything is built or trained;
+    returns the device. An argument that cannot run raises ArgumentError naming the flag."""
     import torch
 
+    from moeblaze_megatron.training.families import (
+        MODEL_FAMILIES,
+        cpu_refusal,
+        family_parameters,
+        megatron_cpu_families,
+    )
+    from moeblaze_megatron.megatron_plugin import MOEBLAZE
+    from moeblaze_megatron.training.train_loop import megatron_dispatchers
+
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
+        raise ArgumentError("--device cuda: no CUDA device is available")
     if args.device == "cpu" or not torch.cuda.is_available():
         device = torch.device("cpu")
     else:
@@ -75,16 +74,62 @@ def resolve(args):
     for name, value in DEFAULTS[device.type].items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
-    from moeblaze_megatron.training.families import MODEL_FAMILIES
-
     if args.family not in MODEL_FAMILIES:
-        raise SystemExit(f"--family must be one of {sorted(MODEL_FAMILIES)}, got {args.family!r}")
+        raise ArgumentError(f"--family must be one of {', '.join(MODEL_FAMILIES)}, got {args.family!r}")
+    if device.type == "cpu":
+        refusal = cpu_refusal("--family", args.family, family_parameters(args.family), megatron_cpu_families())
+        if refusal:
+            raise ArgumentError(refusal)
+    dispatchers = megatron_dispatchers()
+    stock = [d for d in dispatchers if d != MOEBLAZE]
+    if args.baseline not in (*stock, TE_BASELINE):
+        raise ArgumentError(f"--baseline must be one of {', '.join((*stock, TE_BASELINE))}, got {args.baseline!r}")
+    if args.candidate not in dispatchers:
+        raise ArgumentError(f"--candidate must be one of {', '.join(dispatchers)}, got {args.candidate!r}")
     if device.type == "cpu" and args.search != "none":
-        raise SystemExit("--search needs a GPU (it measures the CUDA allocator's peak); use --search none")
-    if args.warmup >= args.steps:
-        raise SystemExit(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
+        raise ArgumentError("--search needs a GPU (it measures the CUDA allocator's peak); use --search none")
+    if not 0 <= args.warmup < args.steps:
+        raise ArgumentError(f"--warmup ({args.warmup}) must be at least 0 and smaller than --steps ({args.steps})")
+    if args.data not in ("builtin", "mock"):
+        if not all(Path(f"{args.data}{ext}").is_file() for ext in (".bin", ".idx")):
+            raise ArgumentError(f"--data: no Megatron indexed dataset at {args.data} ({args.data}.bin and .idx); "
+                                "expected builtin, mock or a dataset prefix")
     resolve_stock_form(args, device)
+    check_megatron_args(args, device)
     return device
+
+
+def check_megatron_args(args, device) -> None:
+    """Every run's Megatron command line through Megatron's parser, its validation and the
+    plugin's own check, the candidate's first (so that what MoEBlaze refuses is said as MoEBlaze
+    says it), then the baseline's in each stock variant, then the resume check's; the first
+    problem raises ArgumentError, naming --megatron-args where it comes from there."""
+    from moeblaze_megatron.training.train_loop import megatron_argv_problem
+
+    data_path = None if args.data in ("builtin", "mock") else args.data
+    chosen = args.stock_variant
+    runs = [dict()] + ([RESUME_RUN] if args.resume_check else [])
+    try:
+        for overrides in runs:
+            for args.stock_variant in (args.stock_variants or [None]):
+                for which in ("candidate", "baseline"):
+                    dispatcher, extra, _ = form(args, which)
+
+                    def problem(user_args):
+                        spec = run_spec(args, device, dispatcher, data_path, extra, megatron_args=user_args,
+                                        **overrides)
+                        return megatron_argv_problem(spec.megatron_argv(device))
+
+                    found = problem(args.megatron_args)
+                    if found is None:
+                        continue
+                    if args.megatron_args and problem([]) is None:
+                        raise ArgumentError(f"--megatron-args {shlex.join(args.megatron_args)}: {found}")
+                    family = overrides.get("family", args.family)
+                    raise ArgumentError(f"the {label(args, which)} run of --family {family}: Megatron refuses its "
+                                        f"arguments: {found}")
+    finally:
+        args.stock_variant = chosen
 
 
 def resolve_stock_form(args, device) -> None:
@@ -102,32 +147,32 @@ def resolve_stock_form(args, device) -> None:
     if isinstance(args.stock_variants, str):
         args.stock_variants = [v for v in args.stock_variants.split(",") if v]
     if args.stock_variants and not te:
-        raise SystemExit(f"--stock-variants applies to --baseline {TE_BASELINE}, not --baseline {args.baseline}")
+        raise ArgumentError(f"--stock-variants applies to --baseline {TE_BASELINE}, not --baseline {args.baseline}")
     if args.select_only and not te:
-        raise SystemExit(f"--select-only selects among the stock variants of --baseline {TE_BASELINE}")
+        raise ArgumentError(f"--select-only selects among the stock variants of --baseline {TE_BASELINE}")
     if te:
         if device.type != "cuda":
-            raise SystemExit(f"--baseline {TE_BASELINE} needs a GPU (Transformer Engine runs on CUDA)")
+            raise ArgumentError(f"--baseline {TE_BASELINE} needs a GPU (Transformer Engine runs on CUDA)")
         from moeblaze_megatron.training.pretraining import have_transformer_engine
 
         if not have_transformer_engine():
-            raise SystemExit(f"--baseline {TE_BASELINE} needs Transformer Engine (import transformer_engine "
+            raise ArgumentError(f"--baseline {TE_BASELINE} needs Transformer Engine (import transformer_engine "
                              "failed); install it, or compare against --baseline alltoall (SequentialMLP)")
         args.stock_variants = args.stock_variants or ["te"]
         for name in args.stock_variants:
             try:
                 te_stock_variant(name)
             except ValueError as error:
-                raise SystemExit(f"--stock-variants: {error}") from None
+                raise ArgumentError(f"--stock-variants: {error}") from None
         if len(set(args.stock_variants)) != len(args.stock_variants):
-            raise SystemExit(f"--stock-variants names a variant twice: {args.stock_variants}")
+            raise ArgumentError(f"--stock-variants names a variant twice: {args.stock_variants}")
         if args.variant_steps <= VARIANT_WARMUP:
-            raise SystemExit(f"--variant-steps must exceed the {VARIANT_WARMUP} warm-up steps, got {args.variant_steps}")
+            raise ArgumentError(f"--variant-steps must exceed the {VARIANT_WARMUP} warm-up steps, got {args.variant_steps}")
     args.stock_variant = args.stock_variants[0] if te else None
     if args.attention is None:
         args.attention = "auto" if te else "sdpa"
     if args.control not in ("baseline", "candidate"):
-        raise SystemExit(f"--control must be baseline or candidate, got {args.control!r}")
+        raise ArgumentError(f"--control must be baseline or candidate, got {args.control!r}")
 
 
 def form(args, which: str):
@@ -181,11 +226,12 @@ def ensure_dataset(args, progress) -> str | None:
     return str(DEFAULT_DATA_PREFIX)
 
 
-def run_spec(args, device, dispatcher: str, data_path, extra=(), **overrides):
-    """The RunSpec of one run: ``dispatcher`` with ``extra`` Megatron flags, then --megatron-args."""
+def run_spec(args, device, dispatcher: str, data_path, extra=(), megatron_args=None, **overrides):
+    """The RunSpec of one run: ``dispatcher`` with ``extra`` Megatron flags, then --megatron-args
+    (or ``megatron_args`` in their place)."""
     from moeblaze_megatron.training.train_loop import RunSpec
 
-    extra = [*extra, *shlex.split(args.megatron_args)]
+    extra = [*extra, *(args.megatron_args if megatron_args is None else megatron_args)]
     fields = dict(
         family=args.family, dispatcher=dispatcher, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, train_iters=args.steps, data_path=data_path,
@@ -225,18 +271,6 @@ def train(trainer, label: str, steps: int, progress, save_at: int | None = None,
     return record
 
 
-def record_step(record: dict, result, label: str, index: int, steps: int, progress, iteration: int) -> None:
-    """Append step ``index``'s loss, time and tokens to ``record``; fail on a non-finite loss
-    (``iteration``: the trainer's step count, for the message); report six times a run."""
-    record["losses"].append(result.loss)
-    record["step_seconds"].append(result.seconds)
-    record["tokens_per_step"] = result.tokens
-    if not math.isfinite(result.loss):
-        raise RuntimeError(f"{label}: loss is {result.loss} at step {iteration}")
-    if (index + 1) % max(1, steps // 6) == 0 or index + 1 == steps:
-        progress(f"  {label}: step {index + 1:4d}/{steps}  loss {result.loss:.4f}  {result.seconds * 1e3:8.1f} ms/step")
-
-
 class SavedBytes:
     """Bytes autograd keeps for backward during a micro-batch's forward pass (parameters
     excluded), the largest over the micro-batches counted. Every saved storage is counted once,
@@ -266,54 +300,6 @@ class SavedBytes:
         self.total = max(self.total, sum(storages.values()))
 
 
-def comparison_ratios(base: dict, cand: dict, search: dict | None, byte_keys=("saved_activation_bytes",)) -> dict:
-    """The candidate's run against the baseline's, each ratio named for its direction:
-    ``step_time_speedup`` baseline / candidate step time; ``<name>_fraction`` candidate / baseline
-    bytes for each of ``byte_keys`` ("<name>_bytes") and the peak (below 1: less);
-    ``largest_fitting_ratio`` candidate / baseline largest fitting size of the memory search."""
-    ratios = {"step_time_speedup": base["median_step_seconds"] / cand["median_step_seconds"]}
-    for key in byte_keys:
-        if base.get(key) is not None and cand.get(key) is not None:  # None: not counted
-            ratios[key.removesuffix("_bytes") + "_fraction"] = cand[key] / max(1, base[key])
-    if base.get("peak_memory_bytes"):
-        ratios["peak_memory_fraction"] = cand["peak_memory_bytes"] / base["peak_memory_bytes"]
-    if search and search["baseline"]["largest_fitting"] and search["candidate"]["largest_fitting"]:
-        ratios["largest_fitting_ratio"] = search["candidate"]["largest_fitting"] / search["baseline"]["largest_fitting"]
-    return ratios
-
-
-def summarize(record: dict, warmup: int) -> None:
-    timed = record["step_seconds"][warmup:]
-    record["median_step_seconds"] = statistics.median(timed)
-    record["tokens_per_second"] = record["tokens_per_step"] / record["median_step_seconds"]
-
-
-def loss_check(baseline: list[float], candidate: list[float], control: list[float], unit_roundoff: float,
-               tokens_per_step: int, control_of: str = "baseline") -> dict:
-    """Per step: |candidate - baseline| <= max(NOISE_FACTOR * envelope, floor), the envelope being
-    the running maximum of |control - reference| (the reference: the run the control repeats from
-    weights moved by one ulp, ``control_of`` "baseline" or "candidate") and the floor
-    NOISE_FLOOR * max(u * |baseline| / sqrt(tokens_per_step), float32 ulp of the baseline)."""
-    import numpy
-
-    if control_of not in ("baseline", "candidate"):
-        raise ValueError(f"control_of must be 'baseline' or 'candidate', got {control_of!r}")
-    reference = baseline if control_of == "baseline" else candidate
-    envelope, rows, worst = 0.0, [], 0.0
-    for step, (b, c, k, r) in enumerate(zip(baseline, candidate, control, reference), start=1):
-        envelope = max(envelope, abs(k - r))
-        floor = NOISE_FLOOR * max(unit_roundoff * abs(b) / math.sqrt(tokens_per_step),
-                                  float(numpy.spacing(numpy.float32(abs(b)))))
-        tolerance = max(NOISE_FACTOR * envelope, floor)
-        diff = abs(c - b)
-        worst = max(worst, diff / tolerance)
-        rows.append({"step": step, "baseline": b, "candidate": c, "control": k, "abs_diff": diff,
-                     "tolerance": tolerance})
-    return {"passed": worst <= 1.0, "worst_diff_over_tolerance": worst, "noise_factor": NOISE_FACTOR,
-            "noise_floor_roundoffs": NOISE_FLOOR, "unit_roundoff": unit_roundoff,
-            "tokens_per_step": tokens_per_step, "control_of": control_of, "steps": rows}
-
-
 def resume_check(args, device, data_path, progress, unit_roundoff: float) -> dict:
     """The tiny model: the stock run saves a Megatron checkpoint half way and goes on; that
     checkpoint is resumed under the stock dispatcher and under the candidate, and both must
@@ -321,8 +307,7 @@ def resume_check(args, device, data_path, progress, unit_roundoff: float) -> dic
     from moeblaze_megatron.training.train_loop import Trainer
 
     half = RESUME_STEPS // 2
-    tiny = dict(family="tiny", seq_length=64, micro_batch_size=4, train_iters=RESUME_STEPS, lr=3e-3,
-                min_lr=3e-4, warmup_iters=2)
+    tiny = RESUME_RUN
     workdir = Path(tempfile.mkdtemp(prefix="moeblaze_resume_"))
     try:
         progress(f"resume check (tiny model, {RESUME_STEPS} steps, checkpoint at step {half}):")
@@ -382,104 +367,6 @@ def write_outputs(out: Path, result: dict) -> None:
     (out / "compare.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "report.md").write_text(markdown(result))
     plot(out / "losses.png", result)
-
-
-def _mib(value) -> str:
-    if value is None:
-        return "n/a"
-    mib = value / 2**20
-    return f"{mib:,.0f}" if mib >= 100 else f"{mib:.2f}"
-
-
-def _label(run: dict) -> str:
-    return run.get("label", run["dispatcher"])
-
-
-def markdown(result: dict) -> str:
-    base, cand = result["runs"]["baseline"], result["runs"]["candidate"]
-    lines = [
-        f"# {_label(cand)} vs {_label(base)}: {result['config']['family']} on {result['environment']['device']}",
-        "",
-        f"Command: `{result['command']}`",
-        "",
-        "| dispatcher | median step (ms) | tokens/s | peak memory (MiB) | saved for backward (MiB) |"
-        + (f" largest {result['search']['dimension']} in {result['config']['memory_budget_gib']:g} GiB |"
-           if result.get("search") else ""),
-        "|---|---|---|---|---|" + ("---|" if result.get("search") else ""),
-    ]
-    for run_name, run in (("baseline", base), ("candidate", cand)):
-        row = (f"| {_label(run)} | {run['median_step_seconds'] * 1e3:.1f} | {run['tokens_per_second']:,.0f} | "
-               f"{_mib(run.get('peak_memory_bytes'))} | {_mib(run.get('saved_activation_bytes'))} |")
-        if result.get("search"):
-            row += f" {largest_text(result['search'][run_name])} |"
-        lines.append(row)
-    if any(r.get("extra_args") for r in (base, cand)):
-        lines += [""] + [f"{_label(r)} flags: `{' '.join(r['extra_args'])}`" for r in (base, cand) if r.get("extra_args")]
-    if result.get("stock_selection"):
-        lines += ["", "Stock variants, each timed from the same weights on the same batches; the fastest is the "
-                  "baseline:", "", *variants_markdown(result["stock_selection"])]
-    ratios = result["ratios"]
-    lines += ["", f"Step time: {ratios['step_time_speedup']:.2f}x faster with {_label(cand)}; "
-              f"saved activations: {1 / max(ratios['saved_activation_fraction'], 1e-12):.2f}x less"
-              + (f"; largest {result['search']['dimension']}: {ratios['largest_fitting_ratio']:.2f}x"
-                 if ratios.get("largest_fitting_ratio") else "") + "."]
-    check = result["loss_check"]
-    lines += ["", f"## Losses ({'agree' if check['passed'] else 'DIVERGE'}: worst |diff| / tolerance = "
-              f"{check['worst_diff_over_tolerance']:.2f})", "",
-              f"Tolerance per step: max({check['noise_factor']:g} x the running max of |control - "
-              f"{check.get('control_of', 'baseline')}|, "
-              f"{check['noise_floor_roundoffs']:g} x max({check['unit_roundoff']:.2e} x loss / sqrt("
-              f"{check['tokens_per_step']} tokens), float32 ulp of the loss)); the control run repeats the "
-              f"{check.get('control_of', 'baseline')} with every initial weight moved by one ulp.", "",
-              "| step | baseline | candidate | control | abs diff | tolerance |", "|---|---|---|---|---|---|"]
-    rows = check["steps"]
-    shown = sorted({0, len(rows) - 1, *range(0, len(rows), max(1, len(rows) // 10))})
-    for i in shown:
-        r = rows[i]
-        lines.append(f"| {r['step']} | {r['baseline']:.5f} | {r['candidate']:.5f} | {r['control']:.5f} | "
-                     f"{r['abs_diff']:.2e} | {r['tolerance']:.2e} |")
-    if result.get("resume"):
-        resume = result["resume"]
-        lines += ["", f"## Resume ({'ok' if resume['passed'] else 'FAILED'})", "",
-                  f"Tiny model, {resume['steps']} steps; the {_label(base)} run saved a Megatron "
-                  f"checkpoint at step {resume['checkpoint_step']}, resumed under each dispatcher:", ""]
-        for name, r in resume["resumed"].items():
-            lines.append(f"- {name}: max |loss diff| vs uninterrupted {r['max_abs_diff']:.2e} "
-                         f"(worst diff / tolerance {r['worst_diff_over_tolerance']:.2f})")
-    return "\n".join(lines) + "\n"
-
-
-def plot(path: Path, result: dict) -> bool:
-    """The loss overlay at ``path``; False where matplotlib is missing (said once, nothing written)."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no losses.png (pip install matplotlib)", flush=True)
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["loss_check"]["steps"]
-    steps = [r["step"] for r in rows]
-    base, cand = _label(result["runs"]["baseline"]), _label(result["runs"]["candidate"])
-    control_of = result["loss_check"].get("control_of", "baseline")
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    top.plot(steps, [r["baseline"] for r in rows], label=base, linewidth=2)
-    top.plot(steps, [r["candidate"] for r in rows], label=cand, linewidth=1.2, linestyle="--")
-    top.set_ylabel("lm loss")
-    top.set_title(f"{result['config']['family']}: {cand} vs {base} ({result['environment']['device']})")
-    top.legend()
-    bottom.semilogy(steps, [max(r["abs_diff"], 1e-12) for r in rows], label=f"|{cand} - {base}|")
-    bottom.semilogy(steps, [max(abs(r["control"] - r[control_of]), 1e-12) for r in rows],
-                    label=f"|control - {control_of}| (1-ulp weights)", alpha=0.7)
-    bottom.semilogy(steps, [r["tolerance"] for r in rows], label="tolerance", color="black", linestyle=":")
-    bottom.set_xlabel("step")
-    bottom.set_ylabel("abs loss difference")
-    bottom.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
 
 
 def time_stock_variants(args, device, data_path, progress, initial_state=None):
@@ -542,18 +429,6 @@ def select_stock_variant(args, device, data_path, progress, initial_state=None):
             "warmup": VARIANT_WARMUP}, initial_state
 
 
-def variants_markdown(selection: dict) -> list[str]:
-    """The stock variants' table: flags, median step time or why it did not run, the chosen one."""
-    lines = [f"| stock variant | flags (stock / both) | median step (ms) over {selection['steps'] - selection['warmup']} "
-             f"steps |", "|---|---|---|"]
-    for name, r in selection["variants"].items():
-        flags = " ".join(r["stock_args"]) + " / " + (" ".join(r["shared_args"]) or "-")
-        flags += "".join(f" ({k}={v})" for k, v in r["env"].items())
-        time_ = f"{r['median_step_seconds'] * 1e3:.1f}" if "median_step_seconds" in r else f"not run: {r['error']}"
-        lines.append(f"| {name}{' (chosen)' if name == selection['chosen'] else ''} | {flags} | {time_} |")
-    return lines
-
-
 def compare(args, device, progress, save_partial=None) -> dict:
     """The stock variant selection (--baseline alltoall_te with several), the baseline, candidate
     and control runs, the loss check, the memory search (GPU) and the resume check, as
@@ -599,8 +474,8 @@ def compare(args, device, progress, save_partial=None) -> dict:
             if name != "control":
                 progress(f"  {record['label']}: median {record['median_step_seconds'] * 1e3:.1f} ms/step, "
                          f"{record['tokens_per_second']:,.0f} tokens/s, saved for backward "
-                         f"{_mib(record.get('saved_activation_bytes'))} MiB"
-                         + (f", peak {_mib(record['peak_memory_bytes'])} MiB" if "peak_memory_bytes" in record else ""))
+                         f"{mib(record.get('saved_activation_bytes'))} MiB"
+                         + (f", peak {mib(record['peak_memory_bytes'])} MiB" if "peak_memory_bytes" in record else ""))
             if args.search != "none" and name != "control":
                 progress(f"  searching the largest {args.search} within {args.memory_budget_gib:g} GiB "
                          f"(at most {args.search_time_limit:g}s) ...")
@@ -666,7 +541,9 @@ def run(args, command: str) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     for name in ("megatron", "torch.utils.cpp_extension", "matplotlib"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    device = resolve(args)
+    device, status = argument_errors("compare_dispatchers.py", resolve, args)
+    if status:
+        return status
     out = Path(args.out) if args.out else DEFAULT_OUT / f"{args.family}-{'gpu' if device.type == 'cuda' else 'cpu'}"
     progress(f"outputs go to {_shown(out)}/")
     if getattr(args, "select_only", False):

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from moeblaze_megatron.training.named_grads import sequential_named_grads as named_grads
 
 from .accuracy import rel_err
-from .megatron_checks import (BF16_TOL, build_layer, grouped_errors, measure_layer, megatron_world, seed,
-                              transformer_config)
+from .megatron_checks import BF16_TOL, grouped_errors, measure_layer
+from .megatron_models import build_layer, megatron_world, seed, transformer_config
 from .memory_search import gc_free, largest_fitting
 
 # NVLink multicast (NVLS) can put a shared host's GPUs out of service: keep it off in NCCL,

@@ -1,23 +1,20 @@
-"""Megatron-Core checks of the plugin on one process: MoE layers and a small GPTModel built from
-Megatron's specs with the stock dispatcher and with MoEBlaze, compared with a float32 oracle, and
-their step times (scripts/gpu_megatron_check.py; scripts/bench_expert_parallel.py reuses the
-builders, the errors and the layer timing at EP > 1)."""
+"""Megatron-Core checks of the plugin on one process: MoE layers and a small GPTModel
+(benchlib.megatron_models) with the stock dispatcher and with MoEBlaze, compared with a float32
+oracle, and their step times (scripts/gpu_megatron_check.py; scripts/bench_expert_parallel.py
+reuses the errors and the layer timing at EP > 1)."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import os
 import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
-import moeblaze_megatron
 from moeblaze_megatron.training.named_grads import sequential_named_grads as named_grads
 
 from .accuracy import rel_err
+from .megatron_models import build_gpt, build_layer, gpt_batch, gpt_config, megatron_world, seed, transformer_config
 
 BF16_TOL = 8 * 2.0**-9
 # name: (hidden d, expert ffn h, experts E, top-k K)
@@ -29,81 +26,6 @@ GPT = dict(num_layers=4, hidden_size=1024, num_attention_heads=16, moe_ffn_hidde
 SMOKE_GPT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, moe_ffn_hidden_size=32,
                  num_moe_experts=8, moe_router_topk=2, moe_shared_expert_intermediate_size=32,
                  vocab=128, seq=32, batch=2)
-
-
-# ----------------------------------------------------------------------------------------------
-# Setup
-
-
-@contextlib.contextmanager
-def megatron_world(device: torch.device, rank: int = 0, world_size: int = 1, expert_model_parallel_size: int = 1):
-    """A Megatron world of ``world_size`` processes, this one ``rank`` (NCCL on CUDA; gloo and the
-    CPU redirects on the CPU), Megatron's parallel state with that expert parallelism, the
-    plugin installed."""
-    from megatron.core import parallel_state
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29577")
-    if device.type == "cpu":
-        from moeblaze_megatron.training.cpu_shims import enable_cpu_megatron
-
-        context = enable_cpu_megatron()
-    else:
-        torch.cuda.set_device(device)
-        context = contextlib.nullcontext()
-    with context:
-        torch.distributed.init_process_group("gloo" if device.type == "cpu" else "nccl", rank=rank,
-                                             world_size=world_size)
-        parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size)
-        moeblaze_megatron.install()
-        try:
-            yield
-        finally:
-            parallel_state.destroy_model_parallel()
-            torch.distributed.destroy_process_group()
-
-
-def seed(value: int) -> None:
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    torch.manual_seed(value)
-    model_parallel_cuda_manual_seed(value)
-
-
-def transformer_config(dispatcher, dtype, device, **fields):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    defaults = dict(
-        num_layers=1, num_attention_heads=8, ffn_hidden_size=4 * fields.get("hidden_size", 1024),
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, moe_token_dispatcher_type=dispatcher,
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, moe_router_dtype="fp32",
-        use_cpu_initialization=device == "cpu", init_method_std=0.02,
-    )
-    defaults.update(fields)
-    return TransformerConfig(**defaults)
-
-
-def build_layer(config, device, pg_collection=None):
-    """The MoE layer of Megatron's local layer spec (the plugin swaps in MoEBlaze's pieces)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts)
-    kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
-    return spec.submodules.mlp(config=config, **kwargs).to(device=device, dtype=config.params_dtype)
-
-
-def build_gpt(config, device, vocab, seq):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    from moeblaze_megatron.training.attention import SDPAttention, with_core_attention
-
-    spec = with_core_attention(get_gpt_decoder_block_spec(config, use_transformer_engine=False), SDPAttention)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,
-                     max_sequence_length=seq, position_embedding_type="rope")
-    return model.to(device=device, dtype=config.params_dtype)
 
 
 def grouped_errors(grads, reference) -> dict:
@@ -171,11 +93,6 @@ def layer_errors(layers: dict, tokens: int, d: int, device, grads_of=named_grads
     return errors
 
 
-def gpt_config(dispatcher, dtype, device, gpt):
-    fields = {k: v for k, v in gpt.items() if k not in ("vocab", "seq", "batch")}
-    return transformer_config(dispatcher, dtype, device, **fields)
-
-
 def check_gpt(gpt, device):
     models = {}
     for label, dispatcher, dtype in (("stock", "alltoall", torch.bfloat16), ("moeblaze", "moeblaze", torch.bfloat16),
@@ -203,13 +120,6 @@ def gpt_errors(models: dict, gpt, device, grads_of=named_grads):
     errors = {label: {"loss": rel_err(losses[label], losses["oracle"]), **grouped_errors(grads[label], grads["oracle"])}
               for label in ("stock", "moeblaze")}
     return errors, losses
-
-
-def gpt_batch(gpt, device, seed_value):
-    generator = torch.Generator(device=device).manual_seed(seed_value)
-    tokens = torch.randint(0, gpt["vocab"], (gpt["batch"], gpt["seq"]), device=device, generator=generator)
-    positions = torch.arange(gpt["seq"], device=device)[None].expand(gpt["batch"], -1)
-    return tokens, positions
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,8 +1,7 @@
 """The GPU's power through NVML: its power, SM clock and clock-limit reasons sampled on a thread,
-and its energy counter. power_probe.py compares energy per step in two modes; bench_layer.py
-reads them around its back-to-back forward+backward loop and tune_kernels.py around loops of one
-launch: at the power cap a step's time is its energy over the cap (benchmarks/NOTES.md,
-twenty-fifth session)."""
+and its energy counter. bench_layer.py reads them around its back-to-back forward+backward loop
+and tune_kernels.py around loops of one launch: at the power cap a step's time is its energy
+over the cap, so energy per step is what a faster kernel has to save."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Where a layer step's time goes: CUDA time per kernel and the idle gaps between kernels, the
-host's own time per function (cProfile), a labelled profiler timeline of each launch site,
-which matrix instructions the compiled kernels use, and how much of a first call is compiling.
+host's own time per function (cProfile), which matrix instructions the compiled kernels use, and
+how much of a first call is compiling.
 
 Each takes ``steps`` (``layer_bench.layer_steps``: ``steps(n)`` runs n forward+backward passes
 of one layer, then synchronizes).
@@ -10,40 +10,25 @@ from __future__ import annotations
 
 import cProfile
 import contextlib
-import functools
-import importlib
 import os
 import pstats
 
 import torch
-from torch.profiler import record_function
-
-from .timing import SPIN_CYCLES
-
-# (module, attribute) of every launch site of the moeblaze layer, labelled "M:<name>" in a trace.
-LAUNCH_SITES = [
-    ("moeblaze_megatron.moe_mlp", "check_moe_mlp_args"), ("moeblaze_megatron.moe_mlp", "build_routing_plan"),
-    ("moeblaze_megatron.fused", "gather_gemm"), ("moeblaze_megatron.fused", "expert_order_gemm"),
-    ("moeblaze_megatron.fused", "combine"), ("moeblaze_megatron.fused", "weight_grad"),
-]
 
 
-def profile_kernels(steps, iters=3, queued=False):
+def profile_kernels(steps, iters=3):
     """CUDA ms per kernel name per forward+backward (after warm-up, gradients set to None as in
     the timed loop), and the timeline of the last one: its span from the first kernel's start to
     the last one's end, the time no kernel ran, and the longest idle gaps with their neighbours
-    (host launch overhead and synchronizations show there). ``queued``: each step behind the
-    spin of cuda_time's queued mode (the spin itself not counted)."""
+    (host launch overhead and synchronizations show there)."""
     steps(1)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        # Each from an idle GPU, as in the timed loop, or behind a spin.
+        # Each from an idle GPU, as in the timed loop.
         for _ in range(iters):
-            if queued:
-                torch.cuda._sleep(SPIN_CYCLES)
             steps(1)
     kernels = sorted(
         ((ev.time_range.start, ev.time_range.end, ev.name[:40]) for ev in prof.events()
-         if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith("spin_kernel")),
+         if ev.device_type == torch.autograd.DeviceType.CUDA),
     )
     totals = {}
     for start, end, name in kernels:
@@ -66,29 +51,17 @@ def profile_kernels(steps, iters=3, queued=False):
     )
 
 
-def cprofile_rows(run, per, top, own=True):
-    """cProfile of one ``run()``: the ``top`` functions with the most own time (``own``) or
-    cumulative time (calls to a synchronize left out), as "ms  calls  file:line(name)", both
-    divided by ``per`` (the steps ``run`` takes)."""
-    profiler = cProfile.Profile()
-    profiler.enable()
-    run()
-    profiler.disable()
-    stats = pstats.Stats(profiler).stats
-    if own:
-        rows = ((tt, nc, f"{os.path.basename(path)}:{line}({name})")
-                for (path, line, name), (_, nc, tt, _, _) in stats.items())
-    else:
-        rows = ((ct, nc, f"{os.path.basename(path)}:{line}({name})")
-                for (path, line, name), (_, nc, _, ct, _) in stats.items() if "synchronize" not in name)
-    return [f"{1e3 * t / per:.3f} ms  {nc / per:.0f}x  {name}" for t, nc, name in sorted(rows, reverse=True)[:top]]
-
-
 def host_profile(steps, iters=20, top=14):
     """Where the host's time goes in forward+backward (cProfile over ``iters`` steps): the
-    functions with the most own time, as "ms per step  calls per step  name"."""
+    ``top`` functions with the most own time, as "ms per step  calls per step  file:line(name)"."""
     steps(2)
-    return cprofile_rows(lambda: steps(iters), iters, top)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    steps(iters)
+    profiler.disable()
+    rows = ((tt, nc, f"{os.path.basename(path)}:{line}({name})")
+            for (path, line, name), (_, nc, tt, _, _) in pstats.Stats(profiler).stats.items())
+    return [f"{1e3 * t / iters:.3f} ms  {nc / iters:.0f}x  {name}" for t, nc, name in sorted(rows, reverse=True)[:top]]
 
 
 def tensor_core_report():
@@ -108,51 +81,6 @@ def tensor_core_report():
                 key = f"{kernel.base_fn.__name__}:{kind}"
                 report[key] = report.get(key, 0) + 1
     return report
-
-
-def label_launch_sites():
-    """Wrap every launch site of LAUNCH_SITES in a profiler range named "M:<name>"."""
-    for module_name, name in LAUNCH_SITES:
-        module = importlib.import_module(module_name)
-        fn = getattr(module, name)
-
-        @functools.wraps(fn)
-        def labelled(*args, _fn=fn, _label=f"M:{name}", **kwargs):
-            with record_function(_label):
-                return _fn(*args, **kwargs)
-
-        setattr(module, name, labelled)
-
-
-def trace_steps(steps, count=3):
-    """A CPU+CUDA profile of ``count`` single steps after three untimed ones, each in a range
-    named STEP0, STEP1, ... (label the launch sites first to see them in it)."""
-    steps(3)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for i in range(count):
-            with record_function(f"STEP{i}"):
-                steps(1)
-    return prof
-
-
-def timeline(prof, step_name):
-    """The host ranges of the labelled launch sites and the GPU kernels of the profiled range
-    ``step_name``, in start order, in ms from the step's start."""
-    events = list(prof.events())
-    step = next(e for e in events if e.name == step_name and e.device_type != torch.autograd.DeviceType.CUDA)
-    s0, s1 = step.time_range.start, step.time_range.end
-    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.start >= s0
-                  and not e.name.startswith(("M:", "STEP"))), key=lambda e: e.time_range.start)
-    host = sorted((e for e in events if e.device_type != torch.autograd.DeviceType.CUDA and e.name.startswith("M:")
-                   and s0 <= e.time_range.start <= s1), key=lambda e: e.time_range.start)
-    lines = [f"host step {(s1 - s0) / 1e3:.3f} ms; first kernel at +{(gpu[0].time_range.start - s0) / 1e3:.3f} ms; "
-             f"last kernel ends at +{(max(e.time_range.end for e in gpu) - s0) / 1e3:.3f} ms; {len(gpu)} kernels"]
-    rows = [(e.time_range.start, "host", e) for e in host] + [(e.time_range.start, "gpu ", e) for e in gpu]
-    for _, kind, e in sorted(rows, key=lambda r: r[0]):
-        lines.append(f"  {kind} +{(e.time_range.start - s0) / 1e3:7.3f} .. +{(e.time_range.end - s0) / 1e3:7.3f}  "
-                     f"{e.name[:60]}")
-    return lines
 
 
 @contextlib.contextmanager

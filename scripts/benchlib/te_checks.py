@@ -27,20 +27,8 @@ import torch
 from moeblaze_megatron.training.named_grads import sequential_named_grads as named_grads
 
 from .accuracy import rel_err
-from .megatron_checks import (
-    BF16_TOL,
-    build_gpt,
-    build_layer,
-    gpt_batch,
-    gpt_config,
-    gpt_errors,
-    layer_errors,
-    measure_layer,
-    seed,
-    time_gpt_models,
-    transformer_config,
-    verdict,
-)
+from .megatron_checks import BF16_TOL, gpt_errors, layer_errors, measure_layer, time_gpt_models, verdict
+from .megatron_models import build_gpt, build_layer, gpt_batch, gpt_config, seed, transformer_config
 from .te_layouts import compare_sharded_layouts, rename_te_key, sharded_layout, te_to_local_state
 
 # The stock TE form's options (training.families.TE_STOCK_VARIANTS["te"]): its dispatch and
@@ -72,7 +60,7 @@ def te_fields(stock: bool, router_fusion: bool) -> dict:
 
 
 def te_gpt_config(dispatcher, device, gpt, stock: bool, router_fusion: bool):
-    """megatron_checks.gpt_config in bf16 with the TE form's options (stock: all; MoEBlaze: the
+    """megatron_models.gpt_config in bf16 with the TE form's options (stock: all; MoEBlaze: the
     shared router fusion), validated by TransformerConfig as a command line would be."""
     fields = {k: v for k, v in gpt.items() if k not in ("vocab", "seq", "batch")}
     return transformer_config(dispatcher, torch.bfloat16, device, **fields, **te_fields(stock, router_fusion))
@@ -240,7 +228,8 @@ def run_te_checks(check_tokens, time_tokens, reps, router_fusion=True, shapes=No
 
     import megatron.core
 
-    from .megatron_checks import GPT, LAYER_SHAPES, megatron_world
+    from .megatron_checks import GPT, LAYER_SHAPES
+    from .megatron_models import megatron_world
 
     te_version = require_te()
     shapes = shapes or LAYER_SHAPES

@@ -1,9 +1,8 @@
-"""Clocks: GPU time between CUDA events, host time with the GPU kept busy, the dense matmul rate.
+"""Clocks: GPU time between CUDA events, and the dense matmul rate.
 
-Every GPU time here is a median. ``cuda_time`` is the layer benchmarks' clock (warm-up for a
-while, then timed calls for a while, each from an idle GPU or queued behind a spin);
-``time_op`` times calls back to back (the per-launch tuning's clock); ``host_us`` is how long
-the host takes to return from a call when none of its launches waits.
+Every time here is a median. ``cuda_time`` is the layer benchmarks' clock (warm-up for a while,
+then timed calls for a while, each from an idle GPU or queued behind a spin, with the host's time
+to return from each call); ``time_op`` times calls back to back (the per-launch tuning's clock).
 """
 
 from __future__ import annotations
@@ -84,19 +83,3 @@ def time_op(fn, reset, reps):
             ends[i - 2].record()
     torch.cuda.synchronize()
     return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[reps // 2]
-
-
-def host_us(fn, reps=60):
-    """Median host microseconds of ``fn`` with the GPU busy (its launches queue, none waits)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        if i % 20 == 0:
-            torch.cuda.synchronize()
-            torch.cuda._sleep(100_000_000)
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e6 * (time.perf_counter() - t0))
-    torch.cuda.synchronize()
-    return statistics.median(times)

@@ -17,8 +17,10 @@ import statistics
 import time
 from pathlib import Path
 
-from .dispatcher_compare import REPO, Progress, _mib, comparison_ratios, loss_check, plot, record_step, summarize
+from .comparison import (REPO, ArgumentError, Progress, argument_errors, comparison_ratios, loss_check, mib, plot,
+                         record_step, summarize)
 from .memory_search import fits_in_memory, gc_free, largest_fitting, largest_text, probe_line
+from .wording import faster, larger, less
 
 DEFAULT_OUT = REPO / "runs" / "compare_torchtitan"  # git-ignored (/runs/)
 DEFAULTS = {
@@ -53,20 +55,33 @@ def install_fsdp_stand_in() -> bool:
 
 
 def resolve(args):
-    """Fill the per-device defaults; returns the device."""
+    """Check the arguments and fill the per-device defaults, before anything is built or trained;
+    returns the device. An argument that cannot run raises ArgumentError naming the flag."""
     import torch
 
+    from moeblaze_megatron.training.families import cpu_refusal, fits_cpu
+    from moeblaze_megatron.training.titan_models import TITAN_FAMILIES
+
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
+        raise ArgumentError("--device cuda: no CUDA device is available")
     device = torch.device("cuda", torch.cuda.current_device()) if (
         args.device != "cpu" and torch.cuda.is_available()) else torch.device("cpu")
     for name, value in DEFAULTS[device.type].items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
+    if args.family not in TITAN_FAMILIES:
+        raise ArgumentError(f"--family must be one of {', '.join(TITAN_FAMILIES)}, got {args.family!r}")
+    if device.type == "cpu":
+        refusal = cpu_refusal("--family", args.family, TITAN_FAMILIES[args.family].parameters(),
+                              [name for name, f in TITAN_FAMILIES.items() if fits_cpu(f.parameters())])
+        if refusal:
+            raise ArgumentError(refusal)
+        if args.cuda_graphs == "on":
+            raise ArgumentError("--cuda-graphs on needs a GPU (CUDA graphs capture CUDA work); use --cuda-graphs off")
     if device.type == "cpu" and args.search != "none":
-        raise SystemExit("--search needs a GPU (it measures the CUDA allocator's peak); use --search none")
-    if args.warmup >= args.steps:
-        raise SystemExit(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
+        raise ArgumentError("--search needs a GPU (it measures the CUDA allocator's peak); use --search none")
+    if not 0 <= args.warmup < args.steps:
+        raise ArgumentError(f"--warmup ({args.warmup}) must be at least 0 and smaller than --steps ({args.steps})")
     if getattr(args, "loss", "auto") == "auto":
         from moeblaze_megatron.training.titan_loop import default_loss
 
@@ -341,8 +356,8 @@ def compare(args, device, progress, cuda_graphs: bool, partial: Path | None = No
             record["moe_layers"] = len(trainer.routed_experts())
         if name != "control":
             progress(f"  {run.label}: median {record['median_step_seconds'] * 1e3:.1f} ms/step, "
-                     f"{record['tokens_per_second']:,.0f} tokens/s, MoE saved {_mib(record['saved_moe_bytes'])} MiB"
-                     + (f", peak {_mib(record['peak_memory_bytes'])} MiB" if "peak_memory_bytes" in record else ""))
+                     f"{record['tokens_per_second']:,.0f} tokens/s, MoE saved {mib(record['saved_moe_bytes'])} MiB"
+                     + (f", peak {mib(record['peak_memory_bytes'])} MiB" if "peak_memory_bytes" in record else ""))
         if args.search != "none" and name != "control":
             limit = args.search_time_limit
             if args.time_budget:
@@ -397,16 +412,18 @@ def table(result: dict) -> str:
         r = runs[name]
         largest = largest_text(search[name]) if search else "-"
         lines.append(f"| {r['dispatcher']} | {r['median_step_seconds'] * 1e3:.1f} | {r['tokens_per_second']:,.0f} | "
-                     f"{_mib(r.get('peak_memory_bytes'))} | {_mib(r['saved_moe_bytes'])} | "
-                     f"{_mib(r['saved_activation_bytes'])} | {largest} |")
+                     f"{mib(r.get('peak_memory_bytes'))} | {mib(r['saved_moe_bytes'])} | "
+                     f"{mib(r['saved_activation_bytes'])} | {largest} |")
     bound = ratios.get("step_time_speedup_bound")
-    lines.append(f"step time {ratios['step_time_speedup']:.2f}x stock (goal >= 1.3"
-                 + (f"; {bound:.2f}x with routed experts that took no time)" if bound else ")")
-                 + (f"; MoE saved for backward {ratios['saved_moe_fraction']:.2f}x (goal <= 0.5)"
-                    if "saved_moe_fraction" in ratios else "")
-                 + (f"; peak {ratios['peak_memory_fraction']:.2f}x" if "peak_memory_fraction" in ratios else "")
-                 + (f"; largest micro-batch {ratios['largest_fitting_ratio']:.2f}x (goal >= 1.5)"
-                    if "largest_fitting_ratio" in ratios else ""))
+    said = [f"step time {faster(ratios['step_time_speedup'])} than stock"
+            + (f" ({faster(bound)} if its routed experts took no time)" if bound else "")]
+    if ratios.get("saved_moe_fraction"):
+        said.append(f"MoE saved for backward {less(ratios['saved_moe_fraction'])}")
+    if ratios.get("peak_memory_fraction"):
+        said.append(f"peak memory {less(ratios['peak_memory_fraction'])}")
+    if ratios.get("largest_fitting_ratio"):
+        said.append(f"largest micro-batch {larger(ratios['largest_fitting_ratio'])}")
+    lines.append(f"{runs['candidate']['dispatcher']}: " + "; ".join(said))
     phases = [f"{runs[name]['dispatcher']} " + ", ".join(
         f"{phase.replace('_', '+')} {seconds * 1e3:.1f}" for phase, seconds in runs[name]["median_phase_seconds"].items())
         for name in ("baseline", "candidate")]
@@ -436,7 +453,9 @@ def run(args, command: str) -> int:
 
     from moeblaze_megatron.training.titan_loop import single_process
 
-    device = resolve(args)
+    device, status = argument_errors("compare_torchtitan.py", resolve, args)
+    if status:
+        return status
     out = Path(args.out or os.environ.get("OUT") or DEFAULT_OUT / f"{args.family}-{'gpu' if device.type == 'cuda' else 'cpu'}")
     progress(f"outputs go to {out}/")
     progress(f"every run trains with the {args.loss} loss" + (

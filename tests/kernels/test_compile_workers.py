@@ -7,7 +7,6 @@ process, and nothing waits on it."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -148,7 +147,7 @@ def test_the_prefetch_needs_workers_and_a_gpu():
 
 _IN_WORKERS = """
 import json, sys
-from benchlib.compile_report import layer_launches, offline_target
+from hopper_compile import layer_launches, offline_target
 from benchlib.profiling import compile_times
 from moeblaze_megatron.kernels import compile_workers, launch
 from moeblaze_megatron.kernels.settings import SETTINGS
@@ -185,15 +184,11 @@ print(json.dumps(out))
 """
 
 
-def _run_offline(code, tmp_path, **env_extra):
-    # Neither the interpreter nor tests/gpu's MOEBLAZE_AUTOTUNE=0: the GPU's config lists.
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOEBLAZE_AUTOTUNE")}
-    # A PYTHONPATH given stays behind the repository's (another Triton's install, for instance).
-    path = [str(ROOT), str(ROOT / "scripts")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
-    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(path), **env_extra)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
+def _run_offline(code, tmp_path):
+    # Imported here: the sympy probe imports this module in a process that has only the package.
+    from hopper_compile import run_compiled
+
+    return run_compiled(code, tmp_path)
 
 
 def test_workers_compile_what_this_process_then_finds_cached(tmp_path):
@@ -207,7 +202,7 @@ def test_workers_compile_what_this_process_then_finds_cached(tmp_path):
 
 _NO_WORKER = """
 import json, sys
-from benchlib.compile_report import layer_launches, offline_target
+from hopper_compile import layer_launches, offline_target
 from moeblaze_megatron.kernels import compile_workers, launch
 from moeblaze_megatron.kernels.settings import SETTINGS
 

@@ -1,6 +1,6 @@
 """The warp-specialized fused epilogues' host side on the CPU: which launches they take, their
 knob, and how the launch path treats a Gluon kernel. (The kernel itself has no interpreter: it is
-compiled for sm_90a in tests/scripts/test_compile_report.py and run on the GPU in
+compiled for sm_90a in tests/kernels/test_hopper_compile.py and run on the GPU in
 tests/gpu/test_gather_gemm_ws_gpu.py.)"""
 
 import pytest

@@ -1,10 +1,9 @@
-"""compare_dispatchers.py's loss check, memory search (benchlib.dispatcher_compare and
+"""compare_dispatchers.py's loss check, memory search (benchlib.comparison, dispatcher_compare and
 benchlib.memory_search), verdict and command line. (The training loop it drives is tested in
 tests/training/test_train_loop.py.)"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -13,8 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchlib import comparison
 from benchlib import dispatcher_compare as compare
 from benchlib.memory_search import largest_fitting, search_memory
+
+import compare_dispatchers
 
 REPO = Path(__file__).resolve().parents[2]
 # fp32 losses of two dispatchers from the same weights differ only by summation order in the
@@ -27,19 +29,19 @@ def test_loss_check_tolerance():
     fp32_u, bf16_u = 2.0**-24, 2.0**-8
     baseline = [6.0, 5.0, 4.0, 3.0]
     control = [6.0, 5.0 + 1e-3, 4.0, 3.0]  # the control diverged by 1e-3 at step 2
-    same = compare.loss_check(baseline, list(baseline), control, fp32_u, 256)
+    same = comparison.loss_check(baseline, list(baseline), control, fp32_u, 256)
     assert same["passed"] and same["worst_diff_over_tolerance"] == 0.0
-    within = compare.loss_check(baseline, [6.0, 5.0, 4.0 + 3.9e-3, 3.0], control, fp32_u, 256)  # < 4 x envelope
+    within = comparison.loss_check(baseline, [6.0, 5.0, 4.0 + 3.9e-3, 3.0], control, fp32_u, 256)  # < 4 x envelope
     assert within["passed"]
-    beyond = compare.loss_check(baseline, [6.0, 5.0, 4.0 + 4.1e-3, 3.0], control, fp32_u, 256)
+    beyond = comparison.loss_check(baseline, [6.0, 5.0, 4.0 + 4.1e-3, 3.0], control, fp32_u, 256)
     assert not beyond["passed"] and beyond["worst_diff_over_tolerance"] > 1.0
     # Before the control diverges the floor applies. fp32: 4 float32 ulps of the loss (ulp(6) = 2**-21).
     ulp6 = 2.0**-21
-    assert compare.loss_check(baseline, [6.0 + 3 * ulp6, 5.0, 4.0, 3.0], control, fp32_u, 256)["passed"]
-    assert not compare.loss_check(baseline, [6.0 + 5 * ulp6, 5.0, 4.0, 3.0], control, fp32_u, 256)["passed"]
+    assert comparison.loss_check(baseline, [6.0 + 3 * ulp6, 5.0, 4.0, 3.0], control, fp32_u, 256)["passed"]
+    assert not comparison.loss_check(baseline, [6.0 + 5 * ulp6, 5.0, 4.0, 3.0], control, fp32_u, 256)["passed"]
     # bf16 over 4096 tokens: 4 * 2**-8 * 6 / 64 ~ 1.5e-3.
-    assert compare.loss_check(baseline, [6.0 + 1.4e-3, 5.0, 4.0, 3.0], control, bf16_u, 4096)["passed"]
-    assert not compare.loss_check(baseline, [6.0 + 1.6e-3, 5.0, 4.0, 3.0], control, bf16_u, 4096)["passed"]
+    assert comparison.loss_check(baseline, [6.0 + 1.4e-3, 5.0, 4.0, 3.0], control, bf16_u, 4096)["passed"]
+    assert not comparison.loss_check(baseline, [6.0 + 1.6e-3, 5.0, 4.0, 3.0], control, bf16_u, 4096)["passed"]
 
 
 @pytest.mark.parametrize("threshold,start,granule", [(37, 2, 1), (1, 4, 1), (5000, 4096, 256), (0, 2, 1), (10**9, 2, 1)])
@@ -88,12 +90,12 @@ def test_comparison_ratios_name_their_direction():
     base = {"median_step_seconds": 0.3, "saved_activation_bytes": 400, "saved_moe_bytes": 300, "peak_memory_bytes": 80}
     cand = {"median_step_seconds": 0.1, "saved_activation_bytes": 100, "saved_moe_bytes": 30, "peak_memory_bytes": 60}
     search = {"baseline": {"largest_fitting": 8}, "candidate": {"largest_fitting": 14}}
-    ratios = compare.comparison_ratios(base, cand, search, byte_keys=("saved_activation_bytes", "saved_moe_bytes"))
+    ratios = comparison.comparison_ratios(base, cand, search, byte_keys=("saved_activation_bytes", "saved_moe_bytes"))
     assert ratios == pytest.approx({"step_time_speedup": 3.0, "saved_activation_fraction": 0.25,
                                     "saved_moe_fraction": 0.1, "peak_memory_fraction": 0.75,
                                     "largest_fitting_ratio": 1.75})
     # No peak (CPU), no search or a search that found nothing: those ratios are left out.
-    plain = compare.comparison_ratios({**base, "peak_memory_bytes": None}, cand,
+    plain = comparison.comparison_ratios({**base, "peak_memory_bytes": None}, cand,
                                       {"baseline": {"largest_fitting": None}, "candidate": {"largest_fitting": 4}})
     assert set(plain) == {"step_time_speedup", "saved_activation_fraction"}
 
@@ -139,13 +141,13 @@ def test_compare_dispatchers_fails_on_divergence(tmp_path, monkeypatch, capsys):
                                         ("control", "allgather", control))}
         return {"config": {"family": "tiny", "memory_budget_gib": 80.0}, "environment": {"device": "cpu"},
                 "runs": runs, "ratios": {"step_time_speedup": 1.0, "saved_activation_fraction": 1.0},
-                "loss_check": compare.loss_check(baseline, candidate, control, 2.0**-24, 64)}
+                "loss_check": comparison.loss_check(baseline, candidate, control, 2.0**-24, 64)}
 
     assert compare.DEFAULT_OUT == REPO / "runs" / "compare"
     assert "/runs/" in (REPO / ".gitignore").read_text().split()
     monkeypatch.setattr(compare, "compare", diverging)
     monkeypatch.setattr(compare, "DEFAULT_OUT", tmp_path / "runs")
-    args = argparse.Namespace(device="cpu", out=None)  # what the command line leaves unset is None
+    args = compare_dispatchers.parse_args(["--device", "cpu"])
     assert compare.run(args, "python scripts/compare_dispatchers.py --device cpu") == 1
     out = tmp_path / "runs" / "tiny-cpu"
     assert "## Losses (DIVERGE" in (out / "report.md").read_text()
@@ -235,3 +237,136 @@ def test_graph_holders_list_plain_tensors_and_skip_a_compilers_fake_ones():
     assert held[0]["shape"] == [8, 4] and held[0]["grad_fn"] == "MulBackward0"
     del plain_owner.kept
     assert graph_holders(torch.device("cpu")) == []
+
+
+def test_family_parameters_match_the_models_megatron_builds():
+    """The CPU rule's sizes: each family's parameter count from its flags against the GPTModel
+    Megatron builds from them (on the meta device: no memory), norms being all it leaves out."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    from moeblaze_megatron.training import families
+    from moeblaze_megatron.training.cpu_shims import enable_cpu_megatron
+    from moeblaze_megatron.training.pretraining import gpt_model_config
+    from moeblaze_megatron.training.train_loop import RunSpec, parse_megatron_args, single_process
+
+    cpu = torch.device("cpu")
+    with enable_cpu_megatron(), single_process(cpu):
+        for family in families.MODEL_FAMILIES:
+            run = RunSpec(family=family, dispatcher="allgather", seq_length=64, micro_batch_size=1, train_iters=2,
+                          warmup_iters=0)
+            args = parse_megatron_args(run.megatron_argv(cpu))
+            with torch.device("meta"):
+                model = GPTModelBuilder(gpt_model_config(args)).build_model(ProcessGroupCollection.use_mpu_process_groups())
+            built = sum(p.numel() for p in model.parameters())
+            estimate = families.family_parameters(family)
+            assert estimate <= built <= 1.002 * estimate, (family, estimate, built)
+    assert families.megatron_cpu_families() == ["tiny"]
+
+
+def test_a_family_too_large_for_the_cpu_is_refused_before_anything_is_built(tmp_path):
+    """On the CPU, --family deepseek_v3 (37 GiB of fp32 training state) is refused by name in one
+    line, with what to run instead, before a model is built or an output folder made."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_dispatchers.py"), "--device", "cpu",
+                           "--family", "deepseek_v3", "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert done.returncode == 2 and len(errors) == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert errors[0].startswith("compare_dispatchers.py: error: --family deepseek_v3 does not run on the CPU")
+    assert "use --family tiny" in errors[0] and "on a GPU" in errors[0]
+    assert "building" not in done.stdout and not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def nothing_trains(monkeypatch):
+    """A Trainer that fails the test if a run is ever built."""
+    from moeblaze_megatron.training import train_loop
+
+    def trained(*args, **kwargs):
+        raise AssertionError("a run was built before every argument was checked")
+
+    monkeypatch.setattr(train_loop, "Trainer", trained)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--candidate", "moeblze"], "--candidate must be one of allgather, alltoall, flex, moeblaze, got 'moeblze'"),
+    (["--baseline", "moeblaze"], "--baseline must be one of allgather, alltoall, flex, alltoall_te, got 'moeblaze'"),
+    (["--megatron-args=--no-such-flag"], "--megatron-args --no-such-flag: unrecognized arguments: --no-such-flag"),
+    (["--megatron-args", "--moe-router-topk", "many"], "--megatron-args --moe-router-topk many: argument --moe-router-topk"),
+    (["--data", "/no/such/prefix"], "--data: no Megatron indexed dataset at /no/such/prefix"),
+    (["--warmup", "8", "--steps", "8"], "--warmup (8) must be at least 0 and smaller than --steps (8)"),
+    (["--baseline", "alltoall_te"], "--baseline alltoall_te needs a GPU"),
+    (["--search", "micro-batch"], "--search needs a GPU"),
+])
+def test_every_argument_is_checked_before_anything_trains(nothing_trains, capsys, argv, message):
+    """A bad argument, the candidate's and Megatron's included, fails before any run is built,
+    in one line that names the user's own flag."""
+    assert compare_dispatchers.main(["--device", "cpu", *argv]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors[-1].startswith(f"compare_dispatchers.py: error: {message}"), errors
+
+
+def test_fp8_is_refused_by_the_plugin_before_anything_trains(nothing_trains, capsys):
+    """fp8 in --megatron-args (either form): the plugin's own refusal, as one error line naming
+    --megatron-args, exit status 2, no traceback."""
+    for argv in (["--megatron-args=--fp8-format e4m3"], ["--megatron-args", "--fp8-format", "e4m3"]):
+        assert compare_dispatchers.main(["--device", "cpu", *argv]) == 2
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if "error:" in line]
+        assert errors == [
+            "compare_dispatchers.py: error: --megatron-args --fp8-format e4m3: moe_token_dispatcher_type='moeblaze' "
+            "does not support: fp8 (--fp8-format): MoEBlaze experts compute in bf16/fp16/fp32; drop fp8"], err
+        assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--megatron-args", "--moe-router-topk", "4", "--moe-aux-loss-coeff", "1e-2"],
+    ["--megatron-args=--moe-router-topk 4 --moe-aux-loss-coeff 1e-2"],
+    ["--megatron-args", "--moe-router-topk 4 --moe-aux-loss-coeff 1e-2"],
+    ["--megatron-args=--moe-router-topk 4", "--megatron-args", "--moe-aux-loss-coeff", "1e-2"],
+])
+def test_megatron_args_take_the_rest_of_the_line_or_one_value(argv):
+    args = compare_dispatchers.parse_args(["--steps", "6", *argv])
+    assert args.megatron_args == ["--moe-router-topk", "4", "--moe-aux-loss-coeff", "1e-2"] and args.steps == 6
+
+
+def test_megatron_args_refuse_this_scripts_own_flags_after_them(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        compare_dispatchers.parse_args(["--megatron-args", "--moe-router-topk", "4", "--steps", "6"])
+    assert exit_.value.code == 2
+    assert "--steps is this script's own: put it before --megatron-args" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare_dispatchers.parse_args(["--megatron-args"])
+    assert "--megatron-args: expected Megatron flags after it" in capsys.readouterr().err
+    # Documented where a user looks: --help, with an example.
+    with pytest.raises(SystemExit):
+        compare_dispatchers.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    assert "--megatron-args --moe-router-topk 4" in help_text and "--megatron-args='--moe-router-topk 4'" in help_text
+
+
+def test_ratios_are_said_on_their_side_of_one():
+    from benchlib import wording
+
+    assert wording.faster(1.27) == "1.27x faster" and wording.faster(1 / 1.27) == "1.27x slower"
+    assert wording.faster(1.0004) == "level (1.00x)"
+    assert wording.less(0.25) == "4.00x less" and wording.less(1.3) == "1.30x more"
+    assert wording.larger(1.75) == "1.75x larger" and wording.larger(0.5) == "2.00x smaller"
+    with pytest.raises(ValueError, match="finite and positive"):
+        wording.faster(0.0)
+
+
+def test_a_slower_candidate_is_reported_slower():
+    """report.md words a speedup below 1 as slower (0.79: 1.27x slower), never "0.79x faster"."""
+    from benchlib.dispatcher_report import markdown
+
+    rows = [{"step": 1, "baseline": 5.0, "candidate": 5.0, "control": 5.0, "abs_diff": 0.0, "tolerance": 1e-3}]
+    run = lambda name, seconds, saved: {"dispatcher": name, "median_step_seconds": seconds,  # noqa: E731
+                                         "tokens_per_second": 64 / seconds, "saved_activation_bytes": saved}
+    result = {"config": {"family": "tiny", "memory_budget_gib": 80.0}, "environment": {"device": "cpu"},
+              "command": "test", "runs": {"baseline": run("allgather", 0.79, 100), "candidate": run("moeblaze", 1.0, 130)},
+              "ratios": {"step_time_speedup": 0.79, "saved_activation_fraction": 1.3},
+              "loss_check": {**comparison.loss_check([5.0], [5.0], [5.0], 2.0**-24, 64), "steps": rows}}
+    text = markdown(result)
+    assert "step time 1.27x slower with moeblaze" in text and "saved activations 1.30x more" in text
+    assert "faster" not in text

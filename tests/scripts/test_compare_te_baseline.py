@@ -11,7 +11,9 @@ import os
 
 import pytest
 import torch
+from benchlib import comparison
 from benchlib import dispatcher_compare as compare
+from benchlib import dispatcher_report
 
 from moeblaze_megatron.training import families, pretraining, train_loop
 
@@ -21,7 +23,7 @@ TE = families.TE_STOCK_VARIANTS
 def args_for(**overrides):
     fields = dict(device="cuda", family="qwen3_moe", baseline="alltoall_te", candidate="moeblaze", steps=6, warmup=2,
                   seq_length=32, micro_batch_size=2, lr=1e-3, seed=1, data="mock", search="none",
-                  memory_budget_gib=80.0, search_time_limit=1.0, resume_check=False, megatron_args="", out=None,
+                  memory_budget_gib=80.0, search_time_limit=1.0, resume_check=False, megatron_args=[], out=None,
                   stock_variants=None, variant_steps=5, select_only=False, attention=None, control="baseline")
     fields.update(overrides)
     return argparse.Namespace(**fields)
@@ -145,7 +147,7 @@ def test_selection_then_comparison_with_the_chosen_form(monkeypatch, with_te):
     assert result["ratios"]["step_time_speedup"] == pytest.approx(0.28 / 0.08)
     check = result["loss_check"]
     assert check["passed"] and check["control_of"] == "candidate"
-    markdown = compare.markdown({**result, "command": "test"})
+    markdown = dispatcher_report.markdown({**result, "command": "test"})
     assert "| te (chosen) |" in markdown and "not run: AssertionError" in markdown
     assert "| alltoall_te [te] |" in markdown and "repeats the candidate" in markdown
 
@@ -168,10 +170,10 @@ def test_loss_check_envelope_follows_the_control():
     baseline, candidate = [6.0, 5.0, 4.0], [6.0, 5.0 + 3e-3, 4.0]
     control_of_candidate = [6.0, 5.0 + 2.9e-3, 4.0]  # 1e-4 from the candidate, 2.9e-3 from the baseline
     u = 2.0**-24
-    assert compare.loss_check(baseline, candidate, control_of_candidate, u, 64, "baseline")["passed"]
-    assert not compare.loss_check(baseline, candidate, control_of_candidate, u, 64, "candidate")["passed"]
+    assert comparison.loss_check(baseline, candidate, control_of_candidate, u, 64, "baseline")["passed"]
+    assert not comparison.loss_check(baseline, candidate, control_of_candidate, u, 64, "candidate")["passed"]
     with pytest.raises(ValueError, match="control_of"):
-        compare.loss_check(baseline, candidate, candidate, u, 64, "stock")
+        comparison.loss_check(baseline, candidate, candidate, u, 64, "stock")
 
 
 def test_run_spec_flags_follow_te_and_apex(monkeypatch):
@@ -217,3 +219,36 @@ def test_apex_probe_looks_for_megatrons_fused_kernel_module(monkeypatch):
     assert families.have_apex_fusions() is True and asked == ["fused_weight_gradient_mlp_cuda"]
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert families.have_apex_fusions() is False
+
+
+def test_every_runs_megatron_arguments_are_checked_first(monkeypatch, with_te):
+    """Before the TE baseline trains: each variant's baseline and candidate command lines (the
+    candidate first), and the resume check's, through the check a Trainer's parse would make."""
+    parsed = []
+
+    def problem(argv):
+        parsed.append(argv)
+        return None
+
+    monkeypatch.setattr(train_loop, "megatron_argv_problem", problem)
+    args = args_for(stock_variants="te,te_op_fuser", resume_check=True, megatron_args=["--moe-aux-loss-coeff", "1e-2"])
+    compare.resolve_stock_form(args, CUDA)
+    compare.check_megatron_args(args, CUDA)
+    dispatchers = [argv[argv.index("--moe-token-dispatcher-type") + 1] for argv in parsed]
+    assert dispatchers == ["moeblaze", "alltoall"] * 4  # two variants, then both again for the resume check
+    assert ["--use-transformer-engine-op-fuser" in argv for argv in parsed[:4]] == [False, False, False, True]
+    assert all(argv[-2:] == ["--moe-aux-loss-coeff", "1e-2"] for argv in parsed)
+    assert args.stock_variant == "te"  # the first until the selection runs
+
+
+def test_the_te_form_refuses_fp8_as_the_plugin_says_it(monkeypatch, with_te):
+    # Megatron's validation asks the GPU's compute capability: a Hopper's, with no GPU here.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
+    args = args_for(stock_variants="te,te_unfused_router", megatron_args=["--fp8-format", "e4m3"])
+    compare.resolve_stock_form(args, CUDA)
+    with pytest.raises(comparison.ArgumentError, match=r"^--megatron-args --fp8-format e4m3: "
+                       r"moe_token_dispatcher_type='moeblaze' does not support: fp8 \(--fp8-format\)") as error:
+        compare.check_megatron_args(args, CUDA)
+    assert error.value.code == 2
+    args.megatron_args = []
+    compare.check_megatron_args(args, CUDA)  # every variant's runs parse and validate

@@ -54,8 +54,11 @@ def test_cpu_comparison(tmp_path, capsys):
     experts_line = "routed experts alone, fwd+bwd per layer (balanced routing), per call / queued: stock "
     assert any(line.startswith(experts_line) for line in table)
     bound = result["ratios"]["step_time_speedup_bound"]
-    step_line = next(line for line in table if line.startswith("step time "))
+    step_line = next(line for line in table if line.startswith("moeblaze: step time "))
     assert (bound is None) == ("took no time" not in step_line), (bound, step_line)
+    # Internal goals stay out of what a user reads: the table and the JSON.
+    assert not any("goal" in line for line in table)
+    assert "goal" not in (tmp_path / "compare_torchtitan.json").read_text()
 
 
 def test_speedup_bound():
@@ -139,3 +142,54 @@ def test_micro_batch_search_with_a_simulated_allocator(monkeypatch):
     assert found["largest_fitting"] == 10 and found["smallest_failing"] == 11 and state["fraction"] == 1.0
     assert all(p["fits"] == (p["value"] <= 10) for p in found["probes"]) and len(lines) == len(found["probes"])
     assert state["forgotten"] == sum(not p["fits"] for p in found["probes"])
+
+
+def test_family_parameters_match_the_models_torchtitan_builds():
+    """The CPU rule's sizes: each family's parameter count against the model torchtitan builds
+    (on the meta device), norms being all it leaves out."""
+    from moeblaze_megatron.training.families import fits_cpu
+    from moeblaze_megatron.training.titan_models import TITAN_FAMILIES, titan_model_config
+
+    for name, family in TITAN_FAMILIES.items():
+        with torch.device("meta"):
+            built = sum(p.numel() for p in titan_model_config(name, "sdpa").build().parameters())
+        assert family.parameters() <= built <= 1.003 * family.parameters(), (name, family.parameters(), built)
+    assert [name for name, family in TITAN_FAMILIES.items() if fits_cpu(family.parameters())] == ["tiny"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--family", "qwen3_moe"], "--family qwen3_moe does not run on the CPU: 2.49 billion parameters"),
+    (["--cuda-graphs", "on"], "--cuda-graphs on needs a GPU"),
+    (["--search", "micro-batch"], "--search needs a GPU"),
+    (["--warmup", "5", "--steps", "5"], "--warmup (5) must be at least 0 and smaller than --steps (5)"),
+])
+def test_every_argument_is_checked_before_anything_trains(monkeypatch, capsys, argv, message):
+    """On the CPU a bad argument fails before any run is built, as one error line naming it."""
+    from moeblaze_megatron.training import titan_loop
+
+    def trained(*args, **kwargs):
+        raise AssertionError("a run was built before every argument was checked")
+
+    monkeypatch.setattr(titan_loop, "TitanTrainer", trained)
+    assert compare_torchtitan.main(["--device", "cpu", "--out", "/nonexistent/never-written", *argv]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert errors[-1].startswith(f"compare_torchtitan.py: error: {message}"), errors
+
+
+def test_the_table_words_a_slower_step_as_slower_and_names_no_goal():
+    run = lambda name, step: {"dispatcher": name, "median_step_seconds": step, "tokens_per_second": 8192 / step,  # noqa: E731
+                              "peak_memory_bytes": 2**30, "saved_moe_bytes": 2**20, "saved_activation_bytes": 2**21,
+                              "median_phase_seconds": {"forward_backward": step}, "moe_layers": 4,
+                              "routed_experts_seconds_per_layer": 0.004, "routed_experts_queued_seconds_per_layer": 0.003}
+    result = {"environment": {"torchtitan": "0.3.0", "device": "cuda:0"},
+              "config": {"family": "qwen3_moe", "local_batch_size": 2, "seq_len": 4096, "cuda_graphs_used": True,
+                         "attention": "sdpa", "activation_checkpoint": "none", "loss": "plain", "compile": "off"},
+              "runs": {"baseline": run("stock", 0.100), "candidate": run("moeblaze", 0.127)},
+              "ratios": {"step_time_speedup": 0.100 / 0.127, "step_time_speedup_bound": 1.14, "saved_moe_fraction": 0.15,
+                         "peak_memory_fraction": 1.1, "largest_fitting_ratio": 0.5},
+              "loss_check": {"passed": True, "worst_diff_over_tolerance": 0.1, "steps": [{}] * 30}}
+    table = titan_compare.table(result)
+    line = next(line for line in table.splitlines() if line.startswith("moeblaze: step time "))
+    assert line == ("moeblaze: step time 1.27x slower than stock (1.14x faster if its routed experts took no time); "
+                    "MoE saved for backward 6.67x less; peak memory 1.10x more; largest micro-batch 2.00x smaller")
+    assert "goal" not in table

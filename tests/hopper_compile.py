@@ -1,27 +1,28 @@
-"""What the compiler makes of the expert GEMMs for Hopper, without a GPU
-(scripts/compile_report.py): every launch of one layer (fc1 with the activation, stacked and as
-torchtitan's (gate, up) halves, fc2, dH with the activation backward, the fc1 recompute, dX stacked
-and on halves, dW1, dW2) with each config the GPU's autotuner would time, compiled for sm_90a
-through Triton's own JIT (``warmup``: compiled, not launched) against a stand-in driver that
-names the target. Per variant: registers and spill bytes (the bundled ptxas -v), whether the PTX
-uses wgmma and TMA, the compile seconds (None where Triton's caches had it; ``--fresh`` compiles
-everything) and an instruction histogram, so two versions of a kernel can be compared
-instruction by instruction (``diff_histograms``) before any device time.
+"""Compiling one layer's expert GEMMs for Hopper (sm_90a) on a machine without a GPU, for the
+kernel tests: a stand-in driver that names the target and launches nothing, the layer's launches
+on CPU tensors of its shapes, and one launch compiled through Triton's own JIT (``warmup``) with
+what its PTX and ptxas say (registers, spills, wgmma and TMA use, an instruction histogram).
 
-The GPU's config lists are built with the interpreter off: run it without TRITON_INTERPRET.
+Run the compiles without TRITON_INTERPRET (the interpreter compiles nothing): ``run_compiled``
+runs code in a process without it. Imported as ``from hopper_compile import ...`` (pytest puts
+tests/ on sys.path).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import triton
+from benchlib.profiling import compile_times
 from triton.backends.compiler import GPUTarget
 
 from moeblaze_megatron import build_routing_plan
@@ -31,7 +32,7 @@ from moeblaze_megatron.kernels import gather_gemm_ws as ws
 from moeblaze_megatron.kernels import weight_grad as wg
 from moeblaze_megatron.kernels.settings import SETTINGS
 
-from .profiling import compile_times
+ROOT = Path(__file__).resolve().parents[1]
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -110,7 +111,7 @@ def layer_launches(T, d, h, E, K, dtype=torch.bfloat16, seed=0):
     }
 
 
-def _kept_configs(call):
+def kept_configs(call):
     """The configs the GPU's autotuner would time for this launch (its pruning, or all of them);
     [None] for a kernel that is not autotuned (its constexprs are the whole config)."""
     kernel = call.kernel
@@ -121,7 +122,7 @@ def _kept_configs(call):
     return prune(kernel.configs, names, **call.constexprs) if prune else list(kernel.configs)
 
 
-def _ptxas_info(ptx: str, arch: str) -> dict:
+def ptxas_info(ptx: str, arch: str) -> dict:
     """Registers and spill bytes of a PTX module, from the ptxas Triton bundles."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -137,7 +138,7 @@ def _ptxas_info(ptx: str, arch: str) -> dict:
             "spill_load_bytes": number(r"(\d+) bytes spill loads"), "wgmma_serialized": "C7518" in info}
 
 
-def _histogram(ptx: str) -> dict:
+def histogram(ptx: str) -> dict:
     """Instruction opcodes of a PTX module and their counts (directives, labels and braces left out;
     a predicated instruction counts under its opcode, not its guard ``@%p1``)."""
     lines = (line.split() for line in ptx.splitlines() if line.strip()
@@ -165,55 +166,19 @@ def compile_variant(call, config, arch="sm_90a") -> dict:
     # None where Triton's caches (this process's or the disk's) had the kernel: nothing compiled.
     seconds = compiled_now["seconds"] if compiled_now["kernels"] else None
     return {"config": config_name, "compile_seconds": seconds, "wgmma": "wgmma" in ptx,
-            "tma": "cp.async.bulk.tensor" in ptx, "shared_bytes": compiled.metadata.shared, **_ptxas_info(ptx, arch),
-            "histogram": _histogram(ptx)}
+            "tma": "cp.async.bulk.tensor" in ptx, "shared_bytes": compiled.metadata.shared, **ptxas_info(ptx, arch),
+            "histogram": histogram(ptx)}
 
 
-def compile_layer(shape, launches=None, configs_per_launch=None, progress=print) -> list[dict]:
-    """Every variant of the named launches (all by default) at ``shape`` = (T, d, h, E, K)."""
-    if SETTINGS.interpret:
-        raise RuntimeError("compile_report: the kernels were imported under TRITON_INTERPRET=1, which runs them in "
-                           "the interpreter and compiles nothing; run it without TRITON_INTERPRET")
-    records = []
-    with offline_target():
-        calls = layer_launches(*shape)
-        for name in launches or calls:
-            if name not in calls:
-                raise ValueError(f"unknown launch {name!r}; expected some of: {', '.join(calls)}")
-            for config in _kept_configs(calls[name])[:configs_per_launch]:
-                record = {"launch": name, **compile_variant(calls[name], config)}
-                progress(f"  {name:15s} {record['config']:22s} {_seconds(record):>8s}  "
-                         f"{record['registers']:3d} registers, {record['spill_store_bytes']} B spilled, "
-                         f"{record['shared_bytes'] // 1024} KB shared")
-                records.append(record)
-    return records
-
-
-def diff_histograms(old: list[dict], new: list[dict]) -> list[str]:
-    """Lines naming every (launch, config) whose instruction histogram differs between two runs,
-    with the opcodes that moved (old count -> new count)."""
-    before = {(r["launch"], r["config"]): r["histogram"] for r in old}
-    lines = []
-    for r in new:
-        key = (r["launch"], r["config"])
-        if key not in before:
-            continue
-        a, b = before[key], r["histogram"]
-        moved = {op: (a.get(op, 0), b.get(op, 0)) for op in sorted(set(a) | set(b)) if a.get(op, 0) != b.get(op, 0)}
-        if moved:
-            lines.append(f"{key[0]} {key[1]}: " + ", ".join(f"{op} {x} -> {y}" for op, (x, y) in moved.items()))
-    return lines
-
-
-def table(records: list[dict]) -> str:
-    """A markdown table of the variants."""
-    rows = ["| launch | config | registers | spill stores (B) | shared (KB) | wgmma | TMA | compile (s) |",
-            "|---|---|---|---|---|---|---|---|"]
-    rows += [f"| {r['launch']} | {r['config']} | {r['registers']} | {r['spill_store_bytes']} | "
-             f"{r.get('shared_bytes', 0) // 1024} | {'yes' if r['wgmma'] else 'no'} | {'yes' if r['tma'] else 'no'} | "
-             f"{_seconds(r)} |" for r in records]
-    return "\n".join(rows)
-
-
-def _seconds(record) -> str:
-    return "cached" if record["compile_seconds"] is None else f"{record['compile_seconds']:.1f} s"
+def run_compiled(code: str, cache_dir, timeout: float = 900, **env_extra) -> dict:
+    """Run ``code`` in a fresh process without the interpreter, Triton's cache in ``cache_dir``,
+    and return the JSON its last line prints (the process must succeed)."""
+    # Neither the interpreter nor tests/gpu's MOEBLAZE_AUTOTUNE=0: the GPU's config lists.
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOEBLAZE_AUTOTUNE")}
+    # A PYTHONPATH given stays behind the repository's (another Triton's install, for instance).
+    path = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "tests")]
+    path += [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    env.update(TRITON_CACHE_DIR=str(cache_dir), PYTHONPATH=os.pathsep.join(path), **env_extra)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
