@@ -21,6 +21,7 @@ __all__ = [
     "activation_name",
     "activation_problem",
     "check_option",
+    "option_problem",
     "expert_bias_problem",
     "expert_tp_problem",
     "get_moeblaze_config",
@@ -66,11 +67,17 @@ class OptionError(ValueError):
         self.option, self.value, self.choices = option, value, choices
 
 
+def option_problem(option: str, value) -> str | None:
+    """Why ``value`` is not one of ``option``'s choices (None: it is)."""
+    allowed = OPTION_CHOICES[option]
+    return None if value in allowed else f"{option} must be one of {allowed}, got {value!r}"
+
+
 def check_option(option: str, value) -> None:
     """Raise an ``OptionError`` unless ``value`` is one of ``option``'s choices."""
-    allowed = OPTION_CHOICES[option]
-    if value not in allowed:
-        raise OptionError(f"{option} must be one of {allowed}, got {value!r}", option, value, allowed)
+    problem = option_problem(option, value)
+    if problem is not None:
+        raise OptionError(problem, option, value, OPTION_CHOICES[option])
 
 
 def saves_pre_activations(recompute: str) -> bool:

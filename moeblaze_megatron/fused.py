@@ -82,7 +82,8 @@ def fused_backward(grad_y, x, probs_sorted, fc1_weight, fc2_weight, plan, activa
     grad_pre = pre
     grad_x = grad_probs = grad_fc1 = grad_fc2 = None
     # Where the grouped GEMM wins, one transient [T*K, d] buffer takes dY, then x, in expert
-    # order: it can raise the peak by its size (still below every peer's; benchmarks/NOTES.md).
+    # order: it can raise the peak by its size, still below every peer's (benchmarks/notes/memory.md,
+    # "The grouped weight gradients' [T*K, d] buffer raises the peak on coarse shapes").
     grouped = grouped_weight_grads_apply(x, ffn) and (need_fc1 or need_fc2)
     gathered = x.new_empty(rows_total, hidden) if grouped else None
     if need_fc2:

@@ -12,7 +12,7 @@ import torch
 
 from . import passes
 from .compiled_op import compiled_moe_mlp
-from .config import ACTIVATIONS, check_option
+from .config import ACTIVATIONS, option_problem
 from .kernels.settings import SETTINGS
 from .passes import TRITON_DTYPES, PassOptions
 from .routing import RoutingPlan, check_topk_ids
@@ -62,12 +62,15 @@ def moe_mlp(
     It must be exact and is not checked (a check would synchronize with the host).
 
     Under torch.compile the op runs as two custom ops (forward, backward) that the graph keeps
-    whole; the plan is then built inside them (``plan`` must be None).
+    whole; the plan is then built inside them (``plan`` must be None) and the ids' values are not
+    checked (as with ``validate=False``).
     """
+    compiling = torch.compiler.is_compiling()
+    # A check of the ids' values reads them on the host: not inside a compiled graph.
     num_experts = check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activation, plan, recompute,
-                                     backend, routing_method, validate, used_slots)
+                                     backend, routing_method, validate and not compiling, used_slots)
     options = passes.pass_options(x, activation, recompute, backend, routing_method)
-    if torch.compiler.is_compiling():
+    if compiling:
         if plan is not None:
             raise ValueError("moe_mlp under torch.compile builds the routing plan inside its custom op: pass plan=None")
         if isinstance(used_slots, int):
@@ -80,8 +83,8 @@ def moe_mlp(
 
 
 class MoEMLPFunction(torch.autograd.Function):
-    """The op's autograd over the passes: saves x, the probabilities (and, for the kernels, them in
-    expert order), the weights as given, the plan and, with ``options.save_pre``, the
+    """The op's autograd over the passes: saves x, the probabilities (for the kernels in expert
+    order instead), the weights as given, the plan and, with ``options.save_pre``, the
     pre-activations."""
 
     @staticmethod
@@ -96,7 +99,10 @@ class MoEMLPFunction(torch.autograd.Function):
         if plan is None:
             plan = passes.build_plan(x, topk_ids, topk_probs, *weights, num_experts, options, needs, used_slots)
         y, probs_sorted, pre = passes.forward(x, topk_probs, *weights, plan, options)
-        ctx.save_for_backward(x, topk_probs, probs_sorted, gate, up, fc2_weight, pre, *plan.tensors())
+        # The kernels' backward reads the probabilities in expert order only; an empty order
+        # (nothing routed) still needs topk_probs for the zero gradient's shape.
+        kept_probs = topk_probs if probs_sorted is None or probs_sorted.numel() == 0 else None
+        ctx.save_for_backward(x, kept_probs, probs_sorted, gate, up, fc2_weight, pre, *plan.tensors())
         ctx.options = options
         ctx.pre_overwritten = False
         return y
@@ -150,11 +156,17 @@ def check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activati
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
         if not value.dtype.is_floating_point:
             raise TypeError(f"{name} must have a floating-point dtype, got {value.dtype}")
+    weight_dtypes = [value.dtype for name, value in named[2:]]
+    if len(set(weight_dtypes)) > 1:
+        names = " and ".join(name for name, _ in named[2:])
+        raise TypeError(f"{names} must share a dtype, got {', '.join(map(str, weight_dtypes))}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    check_option("recompute", recompute)
-    check_option("backend", backend)
-    check_option("routing_method", routing_method)
+    for option, value in (("recompute", recompute), ("backend", backend), ("routing_method", routing_method)):
+        problem = option_problem(option, value)
+        if problem is not None:
+            # A plain ValueError: torch.compile traces this check and cannot build OptionError.
+            raise ValueError(problem)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
     if halves:

@@ -30,7 +30,8 @@ from .config import check_option
 __all__ = ["RoutingPlan", "build_routing_plan", "check_topk_ids"]
 
 # The cost model behind "auto" on the GPU (ms, cells = T*E / 1e6, slots = T*K / 1e6): a least-squares
-# fit to measured CUDA-graph times of both builds (benchmarks/NOTES.md has the fit and its errors).
+# fit to measured CUDA-graph times of both builds (benchmarks/notes/routing-plan.md,
+# "The auto method picks by a cost model fitted to CUDA-graph times").
 THREE_STEP_BASE_MS = 0.0147
 THREE_STEP_MS_PER_M_CELLS = 0.00453
 THREE_STEP_MS_PER_M_SLOTS = 0.00627

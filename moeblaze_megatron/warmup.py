@@ -72,6 +72,7 @@ def prepare(x, topk_ids, topk_probs, fc1, fc2, num_experts: int, rows: int, opti
         method, topk_ids, num_experts)
     if options.backend == "triton":
         _prefetch_layer(x, topk_ids, topk_probs, fc1, fc2, num_experts, rows, options, needs)
+    # The PyTorch build synchronizes with the host: not inside a CUDA graph's capture.
     if (plan_sent and num_experts * topk_ids.shape[0] <= TORCH_PLAN_MAX_CELLS
             and not torch.cuda.is_current_stream_capturing()):
         return "torch"

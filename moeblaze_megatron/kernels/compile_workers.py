@@ -1,8 +1,8 @@
 """Triton compiles in worker processes, side by side, into Triton's disk cache.
 
-Triton's compiler holds the GIL for most of its work (its code generator is Python): eight threads
-compiled a layer's kernels 1.4x faster than one on the H200 machine (benchmarks/NOTES.md). Worker
-processes compile in parallel for real. A request is Triton's own serialization of one kernel
+Triton's compiler holds the GIL for most of its work (its code generator is Python), so threads
+barely compile side by side (benchmarks/notes/compile-latency.md, "Compile workers (processes),
+not threads"); worker processes compile in parallel for real. A request is Triton's own serialization of one kernel
 specialization (the ``specialization_data`` its ``jit_cache_hook`` receives, which
 ``JITFunction.preload`` reads back); a worker compiles it for the given target into Triton's disk
 cache, where this process's own compile of the same kernel then finds it (a cache hit).

@@ -1,9 +1,9 @@
 """Kernel launches with Triton's per-call host work done once per argument signature.
 
-A Triton launch costs the host far more than the GPU needs to start a kernel (an autotuned launch
-takes about twenty times a direct call's host time: scripts/host_overhead.py, benchmarks/NOTES.md).
-Where the GPU is idle (a layer's first launches, small
-shapes) the GPU waits on that host time. ``launch`` runs the first launch of every argument
+A Triton launch costs the host far more than the GPU needs to start a kernel (benchmarks/notes/
+compile-latency.md, "Direct launches: the first launch of a signature through Triton, later ones
+direct"). Where the GPU is idle (a layer's first launches, small shapes) the GPU waits on that
+host time. ``launch`` runs the first launch of every argument
 signature through Triton as usual (autotuning, compiling) and keeps what it resolved: the compiled
 kernel, the config and the constexpr values. Later launches with the same signature call the
 compiled kernel directly (the grid is evaluated anew each time: it may depend on more than the

@@ -98,7 +98,7 @@ def gathered_weight_grad(a, b, plan, *, gather_a, buffer):
     ``torch._grouped_mm`` with the reduction split at the expert offsets; returns [E, M, N].
     Rows of unused slots (past the plan's last offset) are outside every group: not read."""
     if a.is_meta:
-        # A layer's launches recorded on meta stand-ins (fused.layer_launches): no kernel of ours
+        # A layer's launches recorded on meta stand-ins (warmup.layer_launches): no kernel of ours
         # here, only the result's shape; index_select's meta kernel imports sympy, seconds before
         # the layer's kernels go to the compile workers.
         return a.new_empty(plan.num_experts, a.shape[1], b.shape[1])

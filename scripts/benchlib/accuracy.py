@@ -6,8 +6,7 @@ import math
 
 import torch
 
-from moeblaze_megatron import build_routing_plan
-from moeblaze_megatron.reference import ReferenceMoEMLP
+from moeblaze_megatron import moe_mlp
 
 from .baselines import map_grads
 from .shapes import make_inputs
@@ -39,8 +38,7 @@ def check_impl(cls, T, d, h, E, K, activation, dtype, device, seed):
     x, ids, probs, fc1, fc2 = make_inputs(T, d, h, E, K, activation, dtype, device, seed)
     gy = torch.randn(T, d, device=device, dtype=dtype)
     ref_in = [t.double().requires_grad_() for t in (x, probs, fc1, fc2)]
-    plan = build_routing_plan(ids, E, method="torch")
-    y_ref = ReferenceMoEMLP.apply(ref_in[0], ref_in[1], ref_in[2], ref_in[3], plan, activation, "activation")
+    y_ref = moe_mlp(*ref_in[:1], ids, *ref_in[1:], activation, backend="reference", routing_method="torch")
     y_ref.backward(gy.double())
     impl = cls(fc1, fc2, activation, E, K)
     xi = x.clone().requires_grad_()

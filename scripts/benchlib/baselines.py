@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from moeblaze_megatron import moe_mlp
-from moeblaze_megatron.moe_mlp import start_compile_workers
+from moeblaze_megatron.warmup import start_compile_workers
 
 # Liger's fused MoE autotunes over many configs on every new shape, which would dominate a
 # benchmark run; DESIGN.md measured it with autotuning off too.

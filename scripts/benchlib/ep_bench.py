@@ -111,7 +111,7 @@ def gather_ints(values: list[int], device) -> list[list[int]]:
 
 
 # MoEBlaze's expert-parallel modes (--ep-modes): the variant's name and its plugin flags.
-MOEBLAZE_VARIANTS = {"alltoall": ("moeblaze", []), "ring": ("moeblaze_ring", ["--moeblaze-ep-mode", "ring"])}
+MOEBLAZE_VARIANTS = {"alltoall": ("moeblaze", []), "ring": ("moeblaze_ring", ["--moeblaze-ep-mode", "ring", "--moeblaze-recompute", "fc1"])}
 
 
 def dispatchers(args) -> list[tuple[str, str]]:

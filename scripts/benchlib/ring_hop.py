@@ -19,12 +19,18 @@ import statistics
 import torch
 
 from moeblaze_megatron.parallel.ring import hop_backward, hop_forward, shard_row_counts
+from moeblaze_megatron.passes import PassOptions
 
 from .accuracy import rel_err
 from .ep_memory import LAYERS, op_transient, shard_numel
 from .timing import cuda_time
 
 CHECK_TOL = 8 * 2.0**-9  # bf16: a few roundings of 2^-9 each
+
+# A hop as the ring runs it (nothing saved: fc1 recomputed in backward), on the kernels and in
+# the float64 reference.
+KERNELS = PassOptions("swiglu", False, "triton")
+REFERENCE = PassOptions("swiglu", False, "reference", "torch")
 
 
 def hop_inputs(layer, tokens: int, ranks: int, device, seed: int):
@@ -45,12 +51,11 @@ def check_hop(x, ids, probs, weights, rows) -> dict:
     """Relative errors of one hop's output and gradients against the float64 reference."""
     grad_y = torch.randn_like(x, dtype=torch.float32).bfloat16()
     needs = (True, True, True, True)
-    got = (hop_forward(x, ids, probs, weights, 0, rows, "swiglu", "triton", "auto"),
-           *hop_backward(grad_y, x, ids, probs, weights, 0, rows, "swiglu", "triton", "auto", needs))
+    got = (hop_forward(x, ids, probs, weights, 0, rows, KERNELS),
+           *hop_backward(grad_y, x, ids, probs, weights, 0, rows, KERNELS, needs))
     x64, probs64, *weights64 = (t.double() for t in (x, probs, *weights))
-    want = (hop_forward(x64, ids, probs64, weights64, 0, rows, "swiglu", "reference", "torch"),
-            *hop_backward(grad_y.double(), x64, ids, probs64, weights64, 0, rows, "swiglu", "reference", "torch",
-                          needs))
+    want = (hop_forward(x64, ids, probs64, weights64, 0, rows, REFERENCE),
+            *hop_backward(grad_y.double(), x64, ids, probs64, weights64, 0, rows, REFERENCE, needs))
     return {name: rel_err(a, b) for name, a, b in zip(("y", "dx", "dprobs", "dfc1", "dfc2"), got, want)}
 
 
@@ -65,10 +70,10 @@ def measure_hop(layer_name: str, tokens: int, ranks: int, device, *, warmup_s: f
     needs = (True, True, True, True)
 
     def forward():
-        return hop_forward(x, ids, probs, weights, 0, rows, "swiglu", "triton", "auto")
+        return hop_forward(x, ids, probs, weights, 0, rows, KERNELS)
 
     def backward():
-        return hop_backward(grad_y, x, ids, probs, weights, 0, rows, "swiglu", "triton", "auto", needs)
+        return hop_backward(grad_y, x, ids, probs, weights, 0, rows, KERNELS, needs)
 
     record = {"layer": layer_name, "tokens_per_rank": tokens, "P": ranks, "hop_rows": rows,
               "experts_per_rank": layer.experts // ranks, "shard_MiB": shard_numel(layer, ranks) * 2 / 2**20}

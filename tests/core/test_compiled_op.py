@@ -1,8 +1,9 @@
-"""compiled_op.expert_mlp, the op as torch.library custom ops for torch.compile: eager calls are
-bitwise moe_mlp's, in both fc1 forms ([gate | up] stacked, or the (gate, up) pair) and both
-recompute modes; under torch.compile(fullgraph=True) the same bits again; against the float64
-oracle on awkward routing (experts with no tokens, unused slots, top-k = E, no tokens); the ops'
-registrations (schema, autograd, fake tensors) pass torch.library.opcheck; bad arguments are named.
+"""The op's torch.library custom ops (compiled_op.py), which moe_mlp runs under torch.compile:
+called eagerly they give moe_mlp's eager bits, in both fc1 forms ([gate | up] stacked, or the
+(gate, up) pair) and both recompute modes; moe_mlp under torch.compile(fullgraph=True) the same
+bits again; against the float64 oracle on awkward routing (experts with no tokens, unused slots,
+top-k = E, no tokens); the ops' registrations (schema, autograd, fake tensors) pass
+torch.library.opcheck; bad arguments are named under compile too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from moe_testing import (
     rel_error,
 )
 from moeblaze_megatron import moe_mlp
-from moeblaze_megatron.compiled_op import expert_mlp
+from moeblaze_megatron.compiled_op import compiled_moe_mlp
+from moeblaze_megatron.passes import pass_options
 
 BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
     not (TRITON_INTERPRETED or torch.cuda.is_available()), reason="needs the Triton kernels"))]
@@ -44,9 +46,20 @@ def _run(fn, leaves, grad_y):
     return [y.detach()] + [t.grad.clone() for t in leaves]
 
 
+def expert_mlp(x, ids, probs, w1, w3, w2, activation="swiglu", *, recompute="activation", backend="auto",
+               used_slots=None):
+    """The custom ops, called eagerly or traced: fc1 as ``w1`` alone or the (w1, w3) pair."""
+    fc1 = w1 if w3 is None else (w1, w3)
+    if torch.compiler.is_compiling():
+        return moe_mlp(x, ids, probs, fc1, w2, activation, recompute=recompute, backend=backend, validate=False,
+                       used_slots=used_slots)
+    return compiled_moe_mlp(x, ids, probs, fc1, w2, pass_options(x, activation, recompute, backend), used_slots)
+
+
 def _eager_and_op(problem, activation, recompute, backend, compile_backend=None, used_slots=None):
-    """(moe_mlp's y and gradients, expert_mlp's over the (gate, up) pair or the stacked fc1), the
-    fc1 gradient of the pair stacked back."""
+    """(moe_mlp's eager y and gradients, the ops' over the (gate, up) pair or the stacked fc1:
+    called eagerly, or moe_mlp compiled with ``compile_backend``), the fc1 gradient of the pair
+    stacked back."""
     p = problem
     grad_y = torch.randn(p["x"].shape, generator=torch.Generator().manual_seed(1)).to(p["x"])
     leaves = [p["x"], p["topk_probs"], p["fc1_weight"], p["fc2_weight"]]
@@ -96,10 +109,12 @@ def test_used_slots_cut_the_expert_order_buffers(compile_backend, backend):
     used = int((p["topk_ids"] >= 0).sum())
     assert 0 < used < p["topk_ids"].numel()
     w1, w3 = _pair(p)
-    _, probs_sorted, pre, expert_token_indices, *_ = torch.ops.moeblaze.expert_mlp_forward(
-        p["x"], p["topk_ids"], p["topk_probs"], w1, w3, p["fc2_weight"], "swiglu", "activation", "auto", backend,
+    _, probs_sorted, pre, expert_token_indices, *_ = torch.ops.moeblaze.moe_mlp_forward(
+        p["x"], p["topk_ids"], p["topk_probs"], w1, w3, p["fc2_weight"], "swiglu", True, backend, "auto",
         torch.tensor(used))
-    assert probs_sorted.shape == (used,) and pre.shape == (used, 2 * w1.shape[1])
+    # The reference keeps the probabilities in slot order: nothing in expert order.
+    assert probs_sorted.shape == ((used,) if backend == "triton" else (0,))
+    assert pre.shape == (used, 2 * w1.shape[1])
     assert expert_token_indices.shape == (used,)
     want, got, _ = _eager_and_op(p, "swiglu", "activation", backend, compile_backend, used_slots=torch.tensor(used))
     for name, a, b in zip(("y", *GRAD_INPUTS), got, want):
@@ -129,32 +144,56 @@ def test_registrations_pass_opcheck():
     # outputs still have the fake implementation's contiguous strides.
     ids = p["topk_ids"].t().contiguous().t()
     probs = p["topk_probs"].detach().t().contiguous().t().requires_grad_()
-    args = (p["x"], ids, probs, w1, w3, p["fc2_weight"], "swiglu", "activation", "auto",
-            "reference", None)
-    torch.library.opcheck(torch.ops.moeblaze.expert_mlp_forward.default, args, test_utils=tests)
-    outputs = torch.ops.moeblaze.expert_mlp_forward(*args)
+    args = (p["x"], ids, probs, w1, w3, p["fc2_weight"], "swiglu", True, "reference", "auto", None)
+    torch.library.opcheck(torch.ops.moeblaze.moe_mlp_forward.default, args, test_utils=tests)
+    outputs = torch.ops.moeblaze.moe_mlp_forward(*args)
     backward_args = (torch.randn_like(p["x"]), p["x"].detach(), p["topk_probs"].detach(), outputs[1], w1.detach(),
-                     w3.detach(), p["fc2_weight"].detach(), outputs[2].clone(), list(outputs[3:]), "swiglu",
+                     w3.detach(), p["fc2_weight"].detach(), outputs[2].clone(), list(outputs[3:]), "swiglu", True,
                      "reference", [True] * 5)
     # Not test_autograd_registration: the backward is not differentiated again.
-    torch.library.opcheck(torch.ops.moeblaze.expert_mlp_backward.default, backward_args,
+    torch.library.opcheck(torch.ops.moeblaze.moe_mlp_backward.default, backward_args,
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_bad_arguments_are_named():
+@pytest.mark.parametrize("compile_backend", [None, "aot_eager"])
+def test_bad_arguments_are_named(compile_backend):
     p = _problem()
     w1, w3 = _pair(p)
-    for bad in (5, torch.tensor([5]), torch.tensor(5, dtype=torch.int32)):
-        with pytest.raises(TypeError, match="used_slots must be a 0-d int64 CPU tensor"):
-            expert_mlp(p["x"], p["topk_ids"], p["topk_probs"], w1, w3, p["fc2_weight"], used_slots=bad)
-    with pytest.raises(ValueError, match=r"w3 \(the up half.*activation='silu'"):
-        expert_mlp(p["x"], p["topk_ids"], p["topk_probs"], w1, w3, p["fc2_weight"], "silu")
-    with pytest.raises(ValueError, match="w3 .*shaped as w1"):
-        expert_mlp(p["x"], p["topk_ids"], p["topk_probs"], w1, w3[:, :-1], p["fc2_weight"])
-    with pytest.raises(ValueError, match="recompute must be one of"):
-        expert_mlp(p["x"], p["topk_ids"], p["topk_probs"], w1, w3, p["fc2_weight"], recompute="none")
-    with pytest.raises(ValueError, match="topk_probs has shape"):
-        expert_mlp(p["x"], p["topk_ids"], p["topk_probs"][:, :1], w1, w3, p["fc2_weight"])
+
+    def call(*args, **kwargs):
+        fn = moe_mlp
+        if compile_backend is not None:
+            torch._dynamo.reset()
+            fn = torch.compile(moe_mlp, backend=compile_backend, fullgraph=True)
+        return fn(*args, **kwargs)
+
+    def refused(kind, match):
+        # Under compile dynamo reraises the op's own error as its Unsupported, message kept.
+        return pytest.raises(kind if compile_backend is None else Exception, match=match)
+
+    x, ids, probs, w2 = p["x"], p["topk_ids"], p["topk_probs"], p["fc2_weight"]
+    for bad in (5.0, torch.tensor([5]), torch.tensor(5, dtype=torch.int32)):
+        with refused(TypeError, "used_slots must be an int or a 0-d int64 CPU tensor"):
+            call(x, ids, probs, (w1, w3), w2, used_slots=bad)
+    with refused(ValueError, r"\(gate, up\) pair of a SwiGLU expert MLP.*activation='silu'"):
+        call(x, ids, probs, (w1, w3), w2, "silu")
+    with refused(ValueError, r"\(gate, up\) halves must be 3-D .* of one shape"):
+        call(x, ids, probs, (w1, w3[:, :-1]), w2)
+    with refused(ValueError, "recompute must be one of"):
+        call(x, ids, probs, (w1, w3), w2, recompute="none")
+    with refused(ValueError, "topk_probs has shape"):
+        call(x, ids, probs[:, :1], (w1, w3), w2)
+
+
+def test_a_plan_is_refused_under_compile():
+    from moeblaze_megatron import build_routing_plan
+
+    p = _problem()
+    plan = build_routing_plan(p["topk_ids"], 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(moe_mlp, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="builds the routing plan inside its custom op: pass plan=None"):
+        compiled(p["x"], p["topk_ids"], p["topk_probs"], p["fc1_weight"], p["fc2_weight"], "swiglu", plan)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -328,7 +328,7 @@ ERROR_CASES = [
     pytest.param(
         _with(fc1_weight=lambda a: a["fc1_weight"].double()),
         TypeError,
-        r"fc1_weight and fc2_weight must share a dtype, got torch.float32, torch.float64",
+        r"fc1_weight and fc2_weight must share a dtype, got torch.float64, torch.float32",
         id="fc1_dtype",
     ),
     pytest.param(

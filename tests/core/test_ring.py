@@ -1,5 +1,5 @@
 """RelayMoE's ring (``parallel/ring.py``) and the framework-neutral alltoall exchange
-(``parallel/alltoall.alltoall_moe``) on the CPU with gloo, P = 2, 3 and 4 processes: each mode
+(``parallel/moe.alltoall_moe``) on the CPU with gloo, P = 2, 3 and 4 processes: each mode
 against EP = 1 (``moe_mlp`` over all experts and all ranks' tokens, float64, the same global
 weights): output, input, router-probability and every expert's weight gradients, on awkward
 routing (an expert with no tokens, every token on one rank's experts, dropped slots, top-1,
@@ -15,8 +15,8 @@ import torch.distributed as dist
 from moe_testing import run_distributed
 from moeblaze_megatron import moe_mlp
 from moeblaze_megatron.config import RING_CHOICES, RING_MODES
-from moeblaze_megatron.parallel.alltoall import alltoall_moe
-from moeblaze_megatron.parallel.ring import ring_moe, shard_row_counts
+from moeblaze_megatron.parallel.moe import alltoall_moe, ring_moe
+from moeblaze_megatron.parallel.ring import shard_row_counts
 from moeblaze_megatron.parallel.traffic import MODES, LayerTraffic, choose_mode, hop_bytes, step_bytes
 from moeblaze_megatron.routing import build_routing_plan
 from moeblaze_megatron.training.audit import saved_bytes_for_backward
@@ -236,5 +236,5 @@ def test_ring_refuses_bad_arguments():
         ring_moe(x, torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 2), torch.randn(1, 2 * H, D),
                  torch.randn(1, D, H), None, mode="weights")
     with pytest.raises(ValueError, match="topk_probs has shape"):
-        ring_moe(x, torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 3), torch.randn(1, 2 * H, D),
-                 torch.randn(1, D, H), None, mode="expert")
+        ring_moe(x, torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 3), torch.randn(2, 2 * H, D),
+                 torch.randn(2, D, H), None, mode="expert")

@@ -69,8 +69,8 @@ def test_three_step_many_tiles(case, scan, monkeypatch):
     ``small_blocks`` both loop over several blocks (4 tile counts, 16 expert totals at a time);
     ``folded``: step (b) inside the scatter (``FOLD_CELLS``), reading the counts in loads of
     ``FOLD_LOAD`` cells (4: a row or less per load with ``folded_small_loads``)."""
-    from moeblaze_megatron.kernels import launch as launch_mod
     from moeblaze_megatron.kernels import plan_three_step as kernels
+    from moeblaze_megatron.kernels.calls import recording_into
 
     _, kind, num_tokens, num_experts, topk = case
     topk_ids = make_topk_ids(kind, num_tokens, num_experts, topk, torch.Generator().manual_seed(5)).to(DEVICE)
@@ -83,7 +83,7 @@ def test_three_step_many_tiles(case, scan, monkeypatch):
     launched, launch = [], kernels.launch
 
     def counted(kernel, *rest):
-        if launch_mod._recording.get() is None:  # not the compile prefetch's dry run (on a GPU)
+        if recording_into() is None:  # not the compile prefetch's dry run (on a GPU)
             launched.append(kernel)
         launch(kernel, *rest)
 
@@ -329,57 +329,3 @@ def test_trimmed_plan_keeps_the_used_slots(method, generator):
         assert all(torch.equal(a, b) for a, b in zip(*results)), backend
     with pytest.raises(ValueError, match="num_rows must be in"):
         plan.trimmed(40 * 3 + 1)
-
-
-
-@pytest.mark.parametrize("method", ["three_step", "sort"])
-def test_the_first_plan_of_a_kind_is_the_pytorch_build_while_its_kernels_compile(monkeypatch, method):
-    """Where the Triton build's kernels have just gone to the compile workers (the first plan of a
-    kind), the plan is the PyTorch build's, so that the layer's kernels can go to the workers at
-    once; after that, and past TORCH_PLAN_MAX_CELLS, the Triton build's; the same plan each time."""
-    from moeblaze_megatron import routing
-
-    if not three_step_available(torch.device("cpu")):
-        pytest.skip("the Triton builds need TRITON_INTERPRET=1 here")
-    ids = make_topk_ids("random", 300, 12, 3, torch.Generator().manual_seed(7))
-    want = routing.torch_routing_plan(ids, 12)
-    pytorch_builds, just_submitted = [], [True, False, True]
-    torch_build = routing.torch_routing_plan
-    monkeypatch.setattr(routing, "torch_routing_plan", lambda *a: pytorch_builds.append(1) or torch_build(*a))
-    monkeypatch.setattr(routing, "_prefetch_plan_kernels", lambda build, t, e: just_submitted.pop(0))
-    got = [build_routing_plan(ids, 12, method=method, validate=False)]
-    assert len(pytorch_builds) == 1
-    got.append(build_routing_plan(ids, 12, method=method, validate=False))
-    assert len(pytorch_builds) == 1
-    monkeypatch.setattr(routing, "TORCH_PLAN_MAX_CELLS", 300 * 12 - 1)
-    got.append(build_routing_plan(ids, 12, method=method, validate=False))
-    assert len(pytorch_builds) == 1 and not just_submitted
-    for plan in got:
-        assert_plans_identical(plan, want, method)
-
-
-def test_the_plan_kernels_go_to_the_workers_once_per_kind(monkeypatch):
-    """``_prefetch_plan_kernels`` submits the build's launches at the first GPU plan of a kind with
-    the workers running, and says so; nothing for a second plan of that kind, none without
-    workers."""
-    from moeblaze_megatron import routing
-    from moeblaze_megatron.kernels import compile_workers, launch
-    from moeblaze_megatron.kernels.plan_three_step import three_step_routing_plan
-
-    if not three_step_available(torch.device("cpu")):
-        pytest.skip("recording the Triton build needs TRITON_INTERPRET=1 here")
-    ids = make_topk_ids("random", 300, 12, 3, torch.Generator().manual_seed(8))
-    recorded = launch.recorded_launches(ids.device, lambda: three_step_routing_plan(launch.stand_in(ids), 12))
-    assert recorded  # the build's kernels, recorded on meta stand-ins
-    submitted, workers = [], [False]
-    monkeypatch.setattr(launch, "prefetch", lambda calls: submitted.append(len(calls)) or len(calls))
-    monkeypatch.setattr(compile_workers, "running", lambda: workers[0])
-    monkeypatch.setattr(routing, "_prefetched", set())
-    assert not routing._prefetch_plan_kernels(three_step_routing_plan, ids, 12)  # CPU ids
-    with monkeypatch.context() as gpu:
-        gpu.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-        assert not routing._prefetch_plan_kernels(three_step_routing_plan, ids, 12)  # no workers
-        workers[0] = True
-        assert routing._prefetch_plan_kernels(three_step_routing_plan, ids, 12)
-        assert not routing._prefetch_plan_kernels(three_step_routing_plan, ids, 12)  # that kind again
-    assert submitted == [len(recorded)]

@@ -190,9 +190,10 @@ def test_the_layer_with_warp_specialized_epilogues(monkeypatch, activation, halv
 
 def test_by_default_the_wide_activation_forwards_run_warp_specialized(monkeypatch):
     """MOEBLAZE_WARP_SPECIALIZE's default ("fwd"): fc1 with its activation in the Gluon kernel from
-    WS_MIN_COLUMNS output columns on (the faster there in the layer, benchmarks/NOTES.md), in the
-    Triton kernel below; dH with the activation backward in the Triton kernel. With "1", dH in the
-    Gluon kernel at every width."""
+    WS_MIN_COLUMNS output columns on (the faster there in the layer: benchmarks/notes/kernels.md,
+    "WS_MIN_COLUMNS: the warp-specialized fc1 from 1024 columns"), in the Triton kernel below; dH
+    with the activation backward in the Triton kernel. With "1", dH in the Gluon kernel at every
+    width."""
     from moeblaze_megatron.kernels.settings import SETTINGS, read_settings
     from moeblaze_megatron.kernels.gather_gemm import WS_MIN_COLUMNS, gather_gemm_call, gather_gemm_kernel
     from moeblaze_megatron.kernels.gather_gemm_ws import gather_gemm_ws_kernel

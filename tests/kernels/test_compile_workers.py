@@ -1,4 +1,4 @@
-"""kernels/compile_workers.py and the layer's prefetch (fused.layer_launches, launch.prefetch):
+"""kernels/compile_workers.py and the layer's prefetch (warmup.layer_launches, compile_workers.prefetch):
 the launches the layer predicts on meta tensors are the ones its passes make (under the
 interpreter); worker processes compile them for sm_90a into Triton's disk cache, where this
 process's own compile then finds every one (no GPU: a stand-in driver names the target, in a
@@ -16,21 +16,24 @@ import pytest
 import torch
 
 from moeblaze_megatron import build_routing_plan
-from moeblaze_megatron.fused import fused_backward, fused_forward, layer_launches
+from moeblaze_megatron.fused import fused_backward, fused_forward
+from moeblaze_megatron.kernels import calls as calls_mod
 from moeblaze_megatron.kernels import compile_workers
 from moeblaze_megatron.kernels import launch as launch_mod
+from moeblaze_megatron.passes import PassOptions
+from moeblaze_megatron.warmup import layer_launches
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-_ONE_CONFIG = launch_mod._one_config
+_ONE_CONFIG = calls_mod.one_config
 
 
 def _signature(kernel, constexprs, args):
     """What a launch compiles to: the kernel, its constexprs (a lone config's values among them)
     and every argument's launch key (dtype and alignment, int values, descriptor layouts)."""
     kernel, constexprs = _ONE_CONFIG(kernel, args, constexprs)
-    base = kernel.autotuner if isinstance(kernel, launch_mod._OneConfig) else kernel
+    base = kernel.autotuner if isinstance(kernel, calls_mod.OneConfig) else kernel
     name = (base.fn if hasattr(base, "configs") else base).__name__
     return name, tuple(sorted(constexprs.items())), tuple(map(launch_mod._arg_key, args))
 
@@ -46,7 +49,13 @@ def _layer(activation, pair, T=40, d=32, h=48, E=4, K=2, seed=0):
     fc1 = torch.randn(E, width, d, generator=g).to(torch.bfloat16)
     fc1 = tuple(w.contiguous().requires_grad_() for w in fc1.split(h, dim=1)) if pair else fc1.requires_grad_()
     fc2 = torch.randn(E, d, h, generator=g).to(torch.bfloat16).requires_grad_()
-    return x, probs, fc1, fc2, plan
+    return x, probs, fc1, fc2, plan, ids
+
+
+def _launches(x, probs, fc1, fc2, ids, activation, recompute, needs):
+    """The layer's predicted launches, as the op's warm-up records them (the plan from shapes)."""
+    options = PassOptions(activation, recompute == "activation", "triton")
+    return layer_launches(x, ids, probs, fc1, fc2, fc2.shape[0], ids.numel(), options, needs)
 
 
 @pytest.mark.parametrize("activation,pair,recompute,needs", [
@@ -57,41 +66,42 @@ def _layer(activation, pair, T=40, d=32, h=48, E=4, K=2, seed=0):
     ("gelu", False, "fc1", (True, False, False, False)),
 ])
 def test_the_predicted_launches_are_the_passes_own(monkeypatch, activation, pair, recompute, needs):
-    x, probs, fc1, fc2, plan = _layer(activation, pair)
+    x, probs, fc1, fc2, plan, ids = _layer(activation, pair)
     made = []
 
     def spy(kernel, args, constexprs):  # every launch asks it first, before any pre-hook runs
         made.append(_signature(kernel, constexprs, args))
         return _ONE_CONFIG(kernel, args, constexprs)
 
-    monkeypatch.setattr(launch_mod, "_one_config", spy)
-    with torch.no_grad():  # the passes TritonMoEMLP runs (its forward, then its backward)
+    monkeypatch.setattr(launch_mod, "one_config", spy)
+    with torch.no_grad():  # the passes the op runs for the kernels (its forward, then its backward)
         y, probs_sorted, pre = fused_forward(x, probs, fc1, fc2, plan, activation, save_pre=recompute == "activation")
         fused_backward(torch.randn_like(y), x, probs_sorted, fc1, fc2, plan, activation, pre, needs)
-    monkeypatch.setattr(launch_mod, "_one_config", _ONE_CONFIG)
+    monkeypatch.setattr(launch_mod, "one_config", _ONE_CONFIG)
     predicted = [_signature(call.kernel, call.constexprs, call.args)
-                 for call in layer_launches(x, probs, fc1, fc2, plan, activation, recompute, needs)]
+                 for call in _launches(x, probs, fc1, fc2, ids, activation, recompute, needs)]
     assert len(made) >= 4 and predicted == made
     # Nothing but the backward's launches is added by asking for gradients.
-    forward_only = layer_launches(x, probs, fc1, fc2, plan, activation, recompute, (False,) * 4)
+    forward_only = _launches(x, probs, fc1, fc2, ids, activation, recompute, (False,) * 4)
     assert [_signature(c.kernel, c.constexprs, c.args) for c in forward_only] == made[:len(forward_only)] < made
 
 
 @pytest.mark.parametrize("grouped", [False, True])
 def test_recording_the_launches_imports_no_sympy(grouped):
     """The layer's launches are recorded before any goes to the compile workers: nothing on that
-    path may import sympy (it delayed conf4's first call, whose weight gradients take torch's
-    grouped GEMM: benchmarks/NOTES.md, twenty-sixth session). In a fresh
-    interpreter; ``grouped`` forces the weight gradients' grouped-GEMM path, which the GPU takes
-    for experts at least as wide as the model."""
+    path may import sympy (it delayed the paper-d2048-e16-k4 shape's first call, whose weight
+    gradients take torch's grouped GEMM: benchmarks/notes/compile-latency.md,
+    "gathered_weight_grad returns only the shape on meta stand-ins"). In a fresh interpreter;
+    ``grouped`` forces the weight gradients' grouped-GEMM path, which the GPU takes for experts at
+    least as wide as the model."""
     probe = (
         "import sys\n"
         "sys.path.insert(0, sys.argv[1])\n"
         "from moeblaze_megatron import fused\n"
-        "from test_compile_workers import _layer\n"
-        "x, probs, fc1, fc2, plan = _layer('swiglu', False)\n"
+        "from test_compile_workers import _launches, _layer\n"
+        "x, probs, fc1, fc2, plan, ids = _layer('swiglu', False)\n"
         f"if {grouped}: fused.grouped_weight_grads_apply = lambda x, ffn: True\n"
-        "calls = fused.layer_launches(x, probs, fc1, fc2, plan, 'swiglu', 'activation', (True,) * 4)\n"
+        "calls = _launches(x, probs, fc1, fc2, ids, 'swiglu', 'activation', (True,) * 4)\n"
         "names = [getattr(getattr(c.kernel, 'fn', c.kernel), '__name__', '?') for c in calls]\n"
         "print('sympy' in sys.modules, names.count('weight_grad_kernel'), len(names))\n"
     )
@@ -117,12 +127,12 @@ def test_the_predicted_plan_launches_are_the_builds_own(monkeypatch, method):
         made.append(_signature(kernel, constexprs, args))
         return _ONE_CONFIG(kernel, args, constexprs)
 
-    monkeypatch.setattr(launch_mod, "_one_config", spy)
+    monkeypatch.setattr(launch_mod, "one_config", spy)
     build(ids, 6)
-    monkeypatch.setattr(launch_mod, "_one_config", _ONE_CONFIG)
-    stand_in = launch_mod.stand_in(ids)
+    monkeypatch.setattr(launch_mod, "one_config", _ONE_CONFIG)
+    stand_in = calls_mod.stand_in(ids)
     assert stand_in.is_meta and stand_in.shape == ids.shape and stand_in.stride() == ids.stride()
-    predicted = launch_mod.recorded_launches(ids.device, lambda: build(stand_in, 6))
+    predicted = compile_workers.recorded_launches(ids.device, lambda: build(stand_in, 6))
     assert made and [_signature(c.kernel, c.constexprs, c.args) for c in predicted] == made
 
 
@@ -130,26 +140,29 @@ def test_a_stand_in_keeps_the_alignment():
     base = torch.empty(64, dtype=torch.bfloat16)
     for offset in (0, 1, 3, 8):
         view = base[offset:offset + 32].view(4, 8)
-        got = launch_mod.stand_in(view)
+        got = calls_mod.stand_in(view)
         assert got.is_meta and got.shape == view.shape and got.stride() == view.stride()
         assert (got.data_ptr() % 16 == 0) == (view.data_ptr() % 16 == 0)
 
 
 def test_the_prefetch_needs_workers_and_a_gpu():
     # Under the interpreter nothing compiles: no workers, no requests.
-    x, probs, fc1, fc2, plan = _layer("swiglu", False)
+    from moeblaze_megatron import warmup
+
+    x, probs, fc1, fc2, plan, ids = _layer("swiglu", False)
     assert not compile_workers.enabled()
     assert compile_workers.submit([{"module": "m", "name": "n", "spec": "{}"}]) == 0
-    from moeblaze_megatron.fused import prefetch_layer_kernels
-
-    assert prefetch_layer_kernels(x, probs, fc1, fc2, plan, "swiglu", "activation", (True,) * 4) == 0
+    options = PassOptions("swiglu", True, "triton", "three_step")
+    # The plan's method as asked, untouched; nothing recorded or submitted.
+    assert warmup.prepare(x, ids, probs, fc1, fc2, 4, ids.numel(), options, (True,) * 4) == "three_step"
+    assert not warmup._prefetched
 
 
 _IN_WORKERS = """
 import json, sys
 from hopper_compile import layer_launches, offline_target
 from benchlib.profiling import compile_times
-from moeblaze_megatron.kernels import compile_workers, launch
+from moeblaze_megatron.kernels import compile_workers
 from moeblaze_megatron.kernels.settings import SETTINGS
 
 SETTINGS.compile_workers = 2
@@ -158,8 +171,8 @@ with offline_target():
     calls = layer_launches(64, 32, 32, 4, 2)
     # The layer's launches, handed over at once (as the layer's prefetch does), then compiled here.
     names = ["fc1_act", "fc2", "dh_act_bwd", "dw1"]
-    out["submitted"] = launch.prefetch([calls[n] for n in names])
-    out["again"] = launch.prefetch([calls[n] for n in names])  # each request once
+    out["submitted"] = compile_workers.prefetch([calls[n] for n in names])
+    out["again"] = compile_workers.prefetch([calls[n] for n in names])  # each request once
     with compile_times() as here:
         for name in names:
             call = calls[name]
@@ -172,8 +185,7 @@ with offline_target():
                 kernel.fn.warmup(*call.args, grid=call.grid, **values)
     out["here"] = here
     # A launch whose configs are compiled now: compile_ahead has nothing to hand over.
-    out["ahead_compiled"] = launch.compile_ahead(calls["fc1_act"].kernel, calls["fc1_act"].grid,
-                                                 calls["fc1_act"].args, calls["fc1_act"].constexprs)
+    out["ahead_compiled"] = compile_workers.compile_ahead(calls["fc1_act"])
     # A request no worker can resolve fails in the worker; waiting for it returns.
     bad = {"module": "no_such_module_here", "name": "k", "spec": "{}"}
     compile_workers.submit([bad])
@@ -203,17 +215,17 @@ def test_workers_compile_what_this_process_then_finds_cached(tmp_path):
 _NO_WORKER = """
 import json, sys
 from hopper_compile import layer_launches, offline_target
-from moeblaze_megatron.kernels import compile_workers, launch
+from moeblaze_megatron.kernels import compile_workers
 from moeblaze_megatron.kernels.settings import SETTINGS
 
 SETTINGS.compile_workers = 2
 sys.executable = "/nonexistent/python"  # the workers cannot start
 with offline_target():
     call = layer_launches(64, 32, 32, 4, 2)["fc2"]
-    submitted = launch.prefetch([call])
+    submitted = compile_workers.prefetch([call])
     compile_workers.wait_for(call.kernel)  # returns: the queued requests failed with the pool
     out = dict(submitted=submitted, enabled=compile_workers.enabled(), broken=compile_workers._pool().broken,
-               after=launch.prefetch([call]))
+               after=compile_workers.prefetch([call]))
 print(json.dumps(out))
 """
 
@@ -263,12 +275,12 @@ def test_a_wait_on_unfinished_compiles_runs_the_idle_tasks_once(monkeypatch):
 
 
 def test_torch_first_backward_imports_what_the_layer_imports_while_waiting():
-    # fused.BACKWARD_IMPORT is worth importing early only while torch's backward imports it.
+    # warmup.BACKWARD_IMPORT is worth importing early only while torch's backward imports it.
     import inspect
 
-    from moeblaze_megatron import fused
+    from moeblaze_megatron import warmup
 
-    assert f"from {fused.BACKWARD_IMPORT} import" in inspect.getsource(torch.autograd._make_grads)
+    assert f"from {warmup.BACKWARD_IMPORT} import" in inspect.getsource(torch.autograd._make_grads)
 
 
 _KEYS_IN_ORDER = """

@@ -179,7 +179,7 @@ def test_the_in_place_epilogue_is_never_timed(gpu_lists, monkeypatch, activation
     import torch
 
     from moeblaze_megatron import build_routing_plan
-    from moeblaze_megatron.kernels import launch
+    from moeblaze_megatron.kernels import calls
 
     monkeypatch.setattr(gather_gemm.gather_gemm_kernel, "configs", cf.gather_gemm_configs())
     T, d, h, E = 12, 16, 8, 3
@@ -193,10 +193,10 @@ def test_the_in_place_epilogue_is_never_timed(gpu_lists, monkeypatch, activation
                                       ds_partial=torch.empty(rows, gather_gemm.gather_gemm_ds_tiles(h)), n=h)
     forward = gather_gemm.gather_gemm_call(x, torch.randn(E, width, d), out, plan, transpose_weight=True,
                                      epilogue=cf.EPI_ACT_FWD, activation=activation, pre=pre, n=h)
-    kernel, constexprs = launch._one_config(backward.kernel, backward.args, backward.constexprs)
-    assert isinstance(kernel, launch._OneConfig) and kernel.config.kwargs["BLOCK_N"] == cf.ACT_BWD_BLOCK_N
+    kernel, constexprs = calls.one_config(backward.kernel, backward.args, backward.constexprs)
+    assert isinstance(kernel, calls.OneConfig) and kernel.config.kwargs["BLOCK_N"] == cf.ACT_BWD_BLOCK_N
     assert constexprs["BLOCK_N"] == cf.ACT_BWD_BLOCK_N and constexprs["num_warps"] == kernel.config.num_warps
-    assert launch._one_config(forward.kernel, forward.args, forward.constexprs)[0] is gather_gemm.gather_gemm_kernel
+    assert calls.one_config(forward.kernel, forward.args, forward.constexprs)[0] is gather_gemm.gather_gemm_kernel
     assert not gather_gemm.gather_gemm_kernel.restore_value and not gather_gemm.gather_gemm_kernel.reset_to_zero
 
 

@@ -11,7 +11,7 @@ import torch
 from moe_testing import per_expert_weight_grad64, rel_error
 from moeblaze_megatron import build_routing_plan, fused, moe_mlp
 from moeblaze_megatron.kernels import weight_grad as wg
-from moeblaze_megatron.kernels.launch import stand_in
+from moeblaze_megatron.kernels.calls import stand_in
 from moeblaze_megatron.kernels.gather_gemm import expert_order_gemm
 from moeblaze_megatron.routing import RoutingPlan
 

@@ -149,6 +149,8 @@ def test_direct_call_expands_descriptors_keeping_their_fills(monkeypatch):
 
 
 def test_direct_calls_skip_config_hooks_that_only_size_boxes():
+    from moeblaze_megatron.kernels.calls import OneConfig
+
     from moeblaze_megatron.kernels.configs import set_gather_gemm_boxes, set_tma_box
 
     assert set_gather_gemm_boxes.only_sizes_boxes and set_tma_box.only_sizes_boxes
@@ -159,7 +161,7 @@ def test_direct_calls_skip_config_hooks_that_only_size_boxes():
         function, packed_metadata = "fn", "packed"
 
     for hook, kept in ((launch_mod.box_hook(lambda nargs: seen.append(1)), False), (seen.append, True)):
-        one = launch_mod._OneConfig(SimpleNamespace(fn=_FakeKernel()), triton.Config({"BLOCK": 4}, pre_hook=hook))
+        one = OneConfig(SimpleNamespace(fn=_FakeKernel()), triton.Config({"BLOCK": 4}, pre_hook=hook))
         assert (launch_mod._Entry(one, Compiled(), 3, {}).pre_hook is not None) == kept
 
 
@@ -223,10 +225,12 @@ def test_a_failed_launch_leaves_the_autotuner_none_of_its_tensors(monkeypatch):
 
 
 def test_tuning_key_is_the_autotuners_own():
+    from moeblaze_megatron.kernels.compile_workers import tuning_key
+
     kernel = _autotuned_fill(lambda configs, named, **kw: configs)  # both configs: the autotuner times them
     out = torch.full((16,), -1, dtype=torch.int32)
     launch_mod.launch(kernel, (2,), (out, 16, 0), {})
-    assert list(kernel.cache) == [launch_mod._tuning_key(kernel, {"out_ptr": out, "n": 16, "value": 0}, {})]
+    assert list(kernel.cache) == [tuning_key(kernel, {"out_ptr": out, "n": 16, "value": 0}, {})]
 
 
 def test_compile_workers_knob():

@@ -26,6 +26,7 @@ from megatron_testing import (
     seed_everything,
 )
 from moeblaze_megatron.config import MoEBlazeConfig, set_moeblaze_config
+from moeblaze_megatron.parallel.moe import EPMode
 from moeblaze_megatron.training.named_grads import sequential_named_grads as named_grads
 
 # (name, config overrides, expert bias or None). "skewed": the expert bias sends every token to
@@ -51,10 +52,11 @@ NUM_EXPERTS = 8
 # The MoEBlaze layers at EP = world size: their options.
 EP_LAYERS = {
     "ep": MoEBlazeConfig(),
-    "ring_expert": MoEBlazeConfig(ep_mode="ring", ring_mode="expert"),
-    "ring_token": MoEBlazeConfig(ep_mode="ring", ring_mode="token"),
-    "ring_fc1": MoEBlazeConfig(ep_mode="ring", recompute="fc1"),
-    "auto": MoEBlazeConfig(ep_mode="auto"),
+    # The ring recomputes each hop's fc1 in backward: recompute="fc1" is its one setting.
+    "ring_expert": MoEBlazeConfig(ep_mode="ring", ring_mode="expert", recompute="fc1"),
+    "ring_token": MoEBlazeConfig(ep_mode="ring", ring_mode="token", recompute="fc1"),
+    "ring_auto": MoEBlazeConfig(ep_mode="ring", recompute="fc1"),
+    "auto": MoEBlazeConfig(ep_mode="auto", recompute="fc1"),
 }
 TOL = 1e-5  # fp32: the EP and EP = 1 paths differ only in summation order
 
@@ -114,9 +116,10 @@ def _ep_worker(rank, world_size, port):
             runs = 2 if layers["ep1"].moe_layer_recompute else 1
             assert expert_calls == [label for label in layers for _ in range(runs)], (name, expert_calls)
             modes = {label: layers[label].token_dispatcher.mode for label in EP_LAYERS}
-            assert modes["ep"] == "alltoall" and modes["ring_expert"] == "expert" and modes["ring_token"] == "token"
-            assert modes["ring_fc1"] == "auto"  # the ring picks its mode itself
-            assert modes["auto"] in ("alltoall", "expert", "token"), modes
+            assert modes["ep"] is EPMode.ALLTOALL, modes
+            assert modes["ring_expert"] is EPMode.EXPERT_RING and modes["ring_token"] is EPMode.TOKEN_RING, modes
+            assert modes["ring_auto"].is_ring, modes  # the ring picks which ring itself
+            assert modes["auto"] in (EPMode.ALLTOALL, EPMode.EXPERT_RING, EPMode.TOKEN_RING), modes
             # Deterministic: a second run of the EP layers repeats the first bit for bit.
             for label in EP_LAYERS:
                 layers[label].zero_grad()

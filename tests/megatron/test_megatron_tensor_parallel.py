@@ -46,7 +46,8 @@ def _tp_worker(rank, world_size, port, expert_parallel):
         variants = [("stock", "allgather", None), ("moeblaze", "moeblaze", MoEBlazeConfig()),
                     ("oracle", "allgather", None)]
         if expert_parallel > 1:
-            variants += [(f"ring_{mode}", "moeblaze", MoEBlazeConfig(ep_mode="ring", ring_mode=mode))
+            variants += [(f"ring_{mode}", "moeblaze", MoEBlazeConfig(ep_mode="ring", ring_mode=mode,
+                                                                               recompute="fc1"))
                          for mode in ("expert", "token")]
         layers = {}
         for label, dispatcher, options in variants:

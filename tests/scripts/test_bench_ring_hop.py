@@ -57,10 +57,10 @@ def test_check_catches_a_wrong_hop(small_layer, monkeypatch):
         pytest.skip("the fused kernels need TRITON_INTERPRET=1 on the CPU")
     real = ring_hop.hop_forward
 
-    def half_the_probabilities(x, ids, probs, weights, shard, rows, *args):
-        if args[1] == "triton":  # the checked path weights its experts wrongly
+    def half_the_probabilities(x, ids, probs, weights, shard, rows, options):
+        if options.backend == "triton":  # the checked path weights its experts wrongly
             probs = probs / 2
-        return real(x, ids, probs, weights, shard, rows, *args)
+        return real(x, ids, probs, weights, shard, rows, options)
 
     monkeypatch.setattr(ring_hop, "hop_forward", half_the_probabilities)
     record = ring_hop.measure_hop("small", 24, 2, torch.device("cpu"), warmup_s=0, min_s=0, check=True)

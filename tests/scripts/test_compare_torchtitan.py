@@ -20,9 +20,9 @@ def test_cpu_comparison(tmp_path, capsys):
                                       "--out", str(tmp_path)])
     result = json.loads((tmp_path / "compare_torchtitan.json").read_text())
     assert status == 0 and result["loss_check"]["passed"], result["loss_check"]
-    # Each run's routed experts profiled: the override's own autograd Function among the ops.
-    assert "_SplitGateUpExperts" in (tmp_path / "layer_profile_moeblaze.txt").read_text()
-    assert "_SplitGateUpExperts" not in (tmp_path / "layer_profile_stock.txt").read_text()
+    # Each run's routed experts profiled: the op's one autograd Function among the moeblaze run's ops.
+    assert "MoEMLPFunction" in (tmp_path / "layer_profile_moeblaze.txt").read_text()
+    assert "MoEMLPFunction" not in (tmp_path / "layer_profile_stock.txt").read_text()
     runs = result["runs"]
     assert [runs[n]["dispatcher"] for n in ("baseline", "candidate")] == ["stock", "moeblaze"]
     # Same weights and data: the first losses agree to rounding, later ones within the bound.

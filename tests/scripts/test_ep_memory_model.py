@@ -19,9 +19,8 @@ import torch.distributed as dist
 from benchlib.ep_memory import LAYERS, Counts, LayerShape, model_rows, saved_bytes, table_lines, transient_bytes
 
 from moe_testing import run_distributed
-from moeblaze_megatron.moe_mlp import expert_mlp_backward, expert_mlp_forward
-from moeblaze_megatron.parallel.alltoall import alltoall_moe
-from moeblaze_megatron.parallel.ring import ring_moe
+from moeblaze_megatron import passes
+from moeblaze_megatron.parallel.moe import alltoall_moe, ring_moe
 from moeblaze_megatron.reference import reference_backward, reference_forward
 from moeblaze_megatron.routing import build_routing_plan
 from moeblaze_megatron.training.audit import cpu_peak_bytes, saved_bytes_for_backward
@@ -75,12 +74,12 @@ def _reference_op(rows_ids, tokens, experts, recompute):
     fc1 = torch.randn(experts, 2 * LAYER.h, LAYER.d, generator=g)
     fc2 = torch.randn(experts, LAYER.d, LAYER.h, generator=g)
     plan = build_routing_plan(rows_ids, experts)
-    _, forward = cpu_peak_bytes(lambda: expert_mlp_forward(x, probs, fc1, fc2, plan, "swiglu", "reference",
-                                                           out_dtype=torch.float32))
+    options = passes.PassOptions("swiglu", False, "reference")
+    _, forward = cpu_peak_bytes(lambda: passes.forward(x, probs, fc1, fc2, plan, options, out_dtype=torch.float32))
     grad_y = torch.randn(tokens, LAYER.d, generator=g)
     if recompute:
-        _, backward = cpu_peak_bytes(lambda: expert_mlp_backward(grad_y, x, probs, fc1, fc2, plan, "swiglu",
-                                                                 "reference", needs=(True, True, True, True)))
+        _, backward = cpu_peak_bytes(lambda: passes.backward(grad_y, x, probs, None, fc1, fc2, plan, None, options,
+                                                             (True, True, True, True)))
     else:
         pre = reference_forward(x, probs, fc1, fc2, plan, "swiglu", save_pre=True)[1]
         _, backward = cpu_peak_bytes(lambda: reference_backward(grad_y, x, probs, fc1, fc2, plan, "swiglu", pre))

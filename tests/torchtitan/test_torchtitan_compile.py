@@ -112,8 +112,9 @@ def _ep_compile_worker(rank, world_size, port):
             # Both rings (the ring's own "auto" choice of ring too), and the per-layer choice
             # (ep_mode="auto", made at trace time from the rank's token count), in float32.
             variants += [(f"ring_{ring}_fp32", dict(backend="reference", expert_dtype="input", ep_mode="ring",
-                                                   ring_mode=ring)) for ring in _RINGS[index]]
-            variants.append(("auto_fp32", dict(backend="reference", expert_dtype="input", ep_mode="auto")))
+                                                   ring_mode=ring, recompute="fc1")) for ring in _RINGS[index]]
+            variants.append(("auto_fp32", dict(backend="reference", expert_dtype="input", ep_mode="auto",
+                                                recompute="fc1")))
             if index == 0 and TRITON_INTERPRETED:
                 # The kernels on the received rows, their expert-order buffers cut to the slots.
                 variants.append(("triton_fp32", dict(backend="triton", expert_dtype="input")))

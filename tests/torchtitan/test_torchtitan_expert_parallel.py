@@ -50,10 +50,10 @@ _VARIANTS = {
     "partial_dtensor": {"bf16": dict(backend="reference"), "fp32": dict(backend="reference", expert_dtype="input")},
     "spmd_types": {"bf16": dict(backend="reference"), "fp32": dict(backend="reference", expert_dtype="input"),
                    "ring_expert_fp32": dict(backend="reference", expert_dtype="input", ep_mode="ring",
-                                            ring_mode="expert"),
+                                            ring_mode="expert", recompute="fc1"),
                    "ring_token_fp32": dict(backend="reference", expert_dtype="input", ep_mode="ring",
-                                           ring_mode="token"),
-                   "auto_fp32": dict(backend="reference", expert_dtype="input", ep_mode="auto")},
+                                           ring_mode="token", recompute="fc1"),
+                   "auto_fp32": dict(backend="reference", expert_dtype="input", ep_mode="auto", recompute="fc1")},
 }
 
 
