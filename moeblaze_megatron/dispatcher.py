@@ -99,6 +99,8 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = None
         self.topk_ids = None
         self.exchange = None
+        # What a CUDA graph of the preprocessing (TE's moe_preprocess scope) hands to its replay.
+        self.cudagraph_attrs = ["topk_ids"]
 
     @property
     def num_received_tokens(self) -> int | None:
@@ -126,18 +128,31 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
         if self.mode is not EPMode.ALLTOALL:
             self.topk_ids = topk_ids
             return hidden_states, topk_probs
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
         self.exchange, self.topk_ids, send_probs = prepare_send(
             topk_ids, topk_probs, self.num_local_experts, self.ep_size
         )
         return self.exchange.gather(hidden_states), send_probs
 
     def token_dispatch(self, hidden_states, probs):
-        """Alltoall mode: all-to-all of the send rows, their local expert ids and probabilities."""
+        """Alltoall mode: all-to-all of the send rows, their local expert ids and probabilities.
+        With ``--moe-shared-expert-overlap`` the shared expert is queued on its own stream here,
+        beside the exchange (alltoall) or the routed experts (EP = 1, ring)."""
         if self.mode is not EPMode.ALLTOALL:
+            if self.shared_experts is not None:
+                # The rows are the layer input itself: the whole shared expert goes now.
+                self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
+                self.shared_experts.linear_fc1_forward_and_act()
+                self.shared_experts.linear_fc2_forward()
+                self.shared_experts.post_forward_comm()
             return hidden_states, probs
         self.exchange.exchange_counts(self.ep_group)
         self.topk_ids = self.exchange.dispatch(self.topk_ids, self.ep_group)
-        return self.exchange.dispatch(hidden_states, self.ep_group), self.exchange.dispatch(probs, self.ep_group)
+        rows = self.exchange.dispatch(hidden_states, self.ep_group)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act()
+        return rows, self.exchange.dispatch(probs, self.ep_group)
 
     def dispatch_postprocess(self, hidden_states, probs):
         """What the experts run on: ``(rows, ExpertRouting, topk_probs)``."""
@@ -157,10 +172,18 @@ class MoEBlazeTokenDispatcher(MoETokenDispatcher):
         """Alltoall mode: each partial output goes back to its source rank."""
         if self.mode is not EPMode.ALLTOALL:
             return hidden_states
-        return self.exchange.give_back(hidden_states, self.ep_group)
+        returned = self.exchange.give_back(hidden_states, self.ep_group)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward()
+            self.shared_experts.post_forward_comm()
+        return returned
 
     def combine_postprocess(self, hidden_states):
-        """Alltoall mode: per-token sum of the partials in rank order; restore the input's shape."""
+        """Alltoall mode: per-token sum of the partials in rank order; restore the input's shape;
+        add the overlapped shared expert's output (joining its stream)."""
         if self.mode is EPMode.ALLTOALL:
             hidden_states = self.exchange.combine(hidden_states)
-        return hidden_states.view(self.hidden_shape)
+        output = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts.get_output()
+        return output

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import functools
 import inspect
+import sys
 
 from .config import (
     OPTION_CHOICES,
@@ -138,10 +139,16 @@ _FLAG_HELP = {
 
 
 def transformer_config_from_args(args, config_class=None):
-    """Megatron's ``core_transformer_config_from_args`` with the MoEBlaze options attached."""
-    from megatron.training.arguments import core_transformer_config_from_args
+    """Megatron's ``core_transformer_config_from_args`` with the MoEBlaze options attached (what
+    that function itself does once ``install()`` has run)."""
+    from megatron.training import arguments
 
-    config = core_transformer_config_from_args(args, config_class)
+    builder = _original_config_from_args or arguments.core_transformer_config_from_args
+    return _with_options_of(args, builder(args, config_class))
+
+
+def _with_options_of(args, config):
+    """``config`` with the MoEBlazeConfig of the parsed ``--moeblaze-*`` flags attached."""
     return set_moeblaze_config(config, moeblaze_config_from_args(args))
 
 
@@ -188,11 +195,6 @@ def _problems(get, gated: bool, activation: str) -> list[str]:
         "--moe-pad-expert-input-to-capacity (token dropping with --moe-expert-capacity-factor works)",
     )
     refuse(
-        get("moe_shared_expert_overlap"),
-        "moe_shared_expert_overlap: drop --moe-shared-expert-overlap (shared experts work, "
-        "computed before routing)",
-    )
-    refuse(
         get("overlap_moe_expert_parallel_comm"),
         "overlap_moe_expert_parallel_comm: the EP communication overlap schedule is not supported; "
         "drop --overlap-moe-expert-parallel-comm",
@@ -235,16 +237,7 @@ def _problems(get, gated: bool, activation: str) -> list[str]:
         get("transformer_impl") == "inference_optimized",
         "transformer_impl='inference_optimized': use 'local' or 'transformer_engine'",
     )
-    impl = get("cuda_graph_impl") or "none"
-    modules = get("cuda_graph_modules")
-    modules = [] if modules in (None, "full") else (modules if isinstance(modules, (list, tuple)) else [modules])
-    names = {getattr(m, "name", str(m)) for m in modules}
-    refuse(
-        impl == "full_iteration" or (impl != "none" and (not names or names & {"moe", "moe_preprocess"})),
-        f"CUDA graphs over the MoE dispatch (cuda_graph_impl={impl!r}, cuda_graph_modules="
-        f"{sorted(names) or 'whole layer'}): MoEBlaze's expert-parallel exchange has data-dependent "
-        "sizes; capture only attn and moe_router, or disable CUDA graphs",
-    )
+    problems += cuda_graph_problems(get)
     offloaded = set(get("offload_modules") or ()) if get("fine_grained_activation_offloading") else set()
     refuse(
         bool(offloaded & {"expert_fc1", "moe_act", "fused_group_mlp"}),
@@ -252,6 +245,53 @@ def _problems(get, gated: bool, activation: str) -> list[str]:
         "MoEBlaze experts keep no such buffers; drop them from --offload-modules",
     )
     return problems
+
+
+def cuda_graph_problems(get) -> list[str]:
+    """What MoEBlaze refuses of a CUDA graph setting (``get`` as in ``_problems``).
+
+    At expert-parallel size 1 the MoEBlaze layer has no data-dependent shape and no host
+    synchronization, so every scope is captured, the whole MoE layer included; Megatron's own
+    check that a captured MoE layer drops and pads is lifted for it (``install``). At EP > 1 the
+    exchange's sizes depend on the routing and the ring gathers its ranks' row counts to the host.
+    """
+    impl = get("cuda_graph_impl") or "none"
+    if impl == "none":
+        return []
+    names = set(cuda_graph_module_names(get("cuda_graph_modules")))
+    captures_layer = impl == "full_iteration" or not names or "moe" in names
+    ep = get("expert_model_parallel_size") or 1
+    problems = []
+    if ep > 1 and (captures_layer or "moe_preprocess" in names):
+        scope = "full_iteration" if impl == "full_iteration" else (sorted(names) or "whole layer")
+        problems.append(
+            f"CUDA graphs over the MoE dispatch at expert-parallel size {ep} (cuda_graph_impl={impl!r}, "
+            f"cuda_graph_modules={scope}): the token exchange's sizes depend on the routing and the ring "
+            "gathers each rank's row count to the host; capture only attn and moe_router, or use "
+            "--expert-model-parallel-size 1"
+        )
+    if "moe" in names and "moe_router" in names:
+        problems.append("cuda_graph_modules with both moe and moe_router: moe captures the router already; "
+                        "name one of them")
+    recomputed = set(get("recompute_modules") or ()) if get("recompute_granularity") == "selective" else set()
+    if captures_layer and "moe" in recomputed:
+        problems.append(
+            "MoE-layer recompute (--recompute-modules moe) inside a CUDA graph of the MoE layer: use "
+            "--moeblaze-recompute fc1 (the experts then keep only their input) or capture attn and moe_router only"
+        )
+    return problems
+
+
+def cuda_graph_module_names(modules) -> list[str]:
+    """``cuda_graph_modules`` (a string, a comma list, CudaGraphModule members, a list of either;
+    "full" and None mean the whole layer) as the modules' names."""
+    if modules is None or modules == "full":
+        return []
+    if isinstance(modules, str):
+        modules = [m for m in modules.split(",") if m]
+    elif not isinstance(modules, (list, tuple)):
+        modules = [modules]
+    return [getattr(m, "name", str(m)) for m in modules if getattr(m, "name", m) != "full"]
 
 
 def _raise_if_problems(problems: list[str]) -> None:
@@ -278,6 +318,10 @@ def check_moeblaze_args(args) -> None:
 
 _original_moe_layer_init = None
 _original_parse_args = None
+_original_config_from_args = None
+_original_config_post_init = None
+# The functions install() put in Megatron's place, each with the one it replaced.
+_replacements: dict = {}
 
 
 def is_installed() -> bool:
@@ -285,13 +329,17 @@ def is_installed() -> bool:
 
 
 def install() -> None:
-    """Make ``moe_token_dispatcher_type='moeblaze'`` build MoEBlaze MoE layers, and every parse
-    of Megatron's command line accept ``--moe-token-dispatcher-type moeblaze`` and the
-    ``--moeblaze-*`` flags. Idempotent."""
-    global _original_moe_layer_init, _original_parse_args
+    """Make ``moe_token_dispatcher_type='moeblaze'`` build MoEBlaze MoE layers; every parse of
+    Megatron's command line accept ``--moe-token-dispatcher-type moeblaze`` and the
+    ``--moeblaze-*`` flags; and Megatron-LM's ``core_transformer_config_from_args`` attach the
+    flags' MoEBlazeConfig to the config it builds (also where a module imported it by name before
+    this call, as Megatron-LM's ``gpt_builders.py`` does). Idempotent."""
+    global _original_moe_layer_init, _original_parse_args, _original_config_from_args
+    global _original_config_post_init
     if _original_moe_layer_init is not None:
         return
     from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
     try:
         from megatron.training import arguments
@@ -306,7 +354,17 @@ def install() -> None:
         def parse_args(extra_args_provider=None, ignore_unknown_args=False):
             return _original_parse_args(moeblaze_extra_args_provider(extra_args_provider), ignore_unknown_args)
 
-        arguments.parse_args = parse_args
+        _original_config_from_args = arguments.core_transformer_config_from_args
+
+        @functools.wraps(_original_config_from_args)
+        def core_transformer_config_from_args(args, config_class=None):
+            return _with_options_of(args, _original_config_from_args(args, config_class))
+
+        _rebind(_original_parse_args, parse_args)
+        _rebind(_original_config_from_args, core_transformer_config_from_args)
+
+    _original_config_post_init = TransformerConfig.__post_init__
+    TransformerConfig.__post_init__ = _moeblaze_post_init(_original_config_post_init)
 
     original = MoELayer.__init__
     signature = inspect.signature(original)
@@ -324,19 +382,87 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Undo ``install()``: MoELayer and Megatron's argument parsing go back to their own code."""
-    global _original_moe_layer_init, _original_parse_args
+    """Undo ``install()``: Megatron's MoELayer, TransformerConfig and argument handling go back to
+    their own code."""
+    global _original_moe_layer_init, _original_parse_args, _original_config_from_args
+    global _original_config_post_init
     if _original_moe_layer_init is None:
         return
     from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
     MoELayer.__init__ = _original_moe_layer_init
     _original_moe_layer_init = None
-    if _original_parse_args is not None:
-        from megatron.training import arguments
+    TransformerConfig.__post_init__ = _original_config_post_init
+    _original_config_post_init = None
+    for replacement in list(_replacements):
+        _rebind_back(replacement)
+    _original_parse_args = _original_config_from_args = None
 
-        arguments.parse_args = _original_parse_args
-        _original_parse_args = None
+
+def _rebind(original, replacement) -> None:
+    """Every loaded module's binding of ``original`` (its home module's, and a name imported
+    from it) now names ``replacement``; ``uninstall`` swaps them back."""
+    _replacements[replacement] = original
+    for namespace in _other_namespaces():
+        for attr, value in list(namespace.items()):
+            if value is original:
+                namespace[attr] = replacement
+
+
+def _rebind_back(replacement) -> None:
+    original = _replacements.pop(replacement)
+    for namespace in _other_namespaces():
+        for attr, value in list(namespace.items()):
+            if value is replacement:
+                namespace[attr] = original
+
+
+def _other_namespaces():
+    """The loaded modules' namespaces but this module's (which keeps the originals)."""
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if name != __name__ and isinstance(namespace, dict):
+            yield namespace
+
+
+class _ModulesWithoutMoE(list):
+    """``cuda_graph_modules`` as Megatron's own checks see it for a MoEBlaze layer: ``moe`` reads
+    as absent (Megatron allows it for drop-and-pad layers only; ``cuda_graph_problems`` has the
+    MoEBlaze rule)."""
+
+    def __contains__(self, item):
+        return getattr(item, "name", item) != "moe" and list.__contains__(self, item)
+
+
+def _moeblaze_post_init(original):
+    """TransformerConfig.__post_init__ that lets a MoEBlaze config through the two checks
+    written for other dispatchers: the captured MoE layer must drop and pad, and the shared-expert
+    overlap needs alltoall or flex. Every other check runs as Megatron wrote it."""
+    from megatron.core.transformer import transformer_config
+
+    @functools.wraps(original)
+    def __post_init__(self):
+        if getattr(self, "moe_token_dispatcher_type", None) != MOEBLAZE:
+            return original(self)
+        normalize = transformer_config.normalize_cuda_graph_modules
+
+        def normalize_without_moe(scopes):
+            modules, *rest = normalize(scopes)
+            return (_ModulesWithoutMoE(modules), *rest)
+
+        overlap = self.moe_shared_expert_overlap
+        self.moe_shared_expert_overlap = False
+        transformer_config.normalize_cuda_graph_modules = normalize_without_moe
+        try:
+            original(self)
+        finally:
+            transformer_config.normalize_cuda_graph_modules = normalize
+            self.moe_shared_expert_overlap = overlap
+            if isinstance(self.cuda_graph_modules, _ModulesWithoutMoE):
+                self.cuda_graph_modules = list(self.cuda_graph_modules)
+
+    return __post_init__
 
 
 def _init_moeblaze_layer(original_init, bound: inspect.BoundArguments) -> None:
@@ -364,6 +490,8 @@ def _init_moeblaze_layer(original_init, bound: inspect.BoundArguments) -> None:
     layer.token_dispatcher = MoEBlazeTokenDispatcher(
         layer.num_local_experts, layer.local_expert_indices, config=config, pg_collection=pg_collection
     )
+    if layer.shared_expert_overlap and layer.shared_experts is not None:
+        layer.token_dispatcher.set_shared_experts(layer.shared_experts)
 
 
 def _moeblaze_experts_builder(builder):

@@ -5,6 +5,7 @@
     python scripts/compare_dispatchers.py --family deepseek_v3   # on a GPU: mixtral | deepseek_v3 | qwen3_moe
     python scripts/compare_dispatchers.py --device cpu --steps 30
     python scripts/compare_dispatchers.py --baseline alltoall_te --stock-variants te,te_unfused_router,te_op_fuser
+    python scripts/compare_dispatchers.py --baseline alltoall_te --stock-variants te_recipe --family deepseek_v3
     python scripts/compare_dispatchers.py --steps 20 --megatron-args --moe-router-topk 4 --moe-aux-loss-coeff 1e-2
 
 On the CPU only the families whose fp32 training state fits the CPU's budget run (tiny:
@@ -23,7 +24,10 @@ Megatron users with Transformer Engine: alltoall + TEGroupedMLP (--moe-grouped-g
 speed options of a --stock-variants form (training.families.TE_STOCK_VARIANTS). Given several,
 each trains --variant-steps steps from the same weights on the same batches and the fastest is
 the baseline (--select-only stops there and writes variants.json). Flags a variant gives the
-model outside the dispatcher and experts (the fused router) apply to MoEBlaze too. Both sides use
+model outside the dispatcher and experts (the fused router; te_recipe's CUDA graphs over attn
+moe_router moe_preprocess, shared-expert overlap and --manual-gc, Megatron's performance recipe)
+apply to MoEBlaze too; te_recipe_moe_graph then has MoEBlaze's graphs capture its attention and
+its whole MoE layer. Both sides use
 the same attention core (--attention: Transformer Engine's with alltoall_te, SDPA otherwise).
 
 Reports median step time, tokens/s, peak memory and the activation memory autograd saves, both
@@ -67,7 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--baseline", help="stock dispatcher (SequentialMLP experts), or alltoall_te (alltoall + "
                    "TEGroupedMLP + a --stock-variants form); default allgather on CPU, alltoall on GPU")
     p.add_argument("--stock-variants", help="with --baseline alltoall_te: comma list of TE stock forms "
-                   "(training.families.TE_STOCK_VARIANTS: te, te_unfused_router, te_op_fuser, te_shared_overlap); "
+                   "(training.families.TE_STOCK_VARIANTS: te, te_unfused_router, te_op_fuser, te_shared_overlap, "
+                   "te_recipe, te_recipe_moe_graph); "
                    "several are timed and the fastest kept (default te)")
     p.add_argument("--variant-steps", type=int, default=8,
                    help="training steps per stock variant when several are timed (the first 3 left out)")

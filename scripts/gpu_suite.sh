@@ -21,7 +21,12 @@
 # torchtitan's wheels in .whl; "ws_ab" takes the layer with dH's activation backward in the
 # warp-specialized kernel, MOEBLAZE_WARP_SPECIALIZE=1, against the default, WS_AB_ROUNDS (3)
 # alternating rounds of bench_layer on WS_AB_CONFIGS (conf4), WS_AB_ACTS (swiglu,silu), moeblaze
-# alone, float64 checks in the first round only). Every step's whole output
+# alone, float64 checks in the first round only); "recipe" runs tests/gpu/test_megatron_recipe_gpu.py (no
+# host synchronization in the MoE layer, torch.cuda.graph capture replaying eager's bits, Megatron's
+# local CUDA graphs over the whole layer, the MoE layer and the router scopes, the shared-expert
+# overlap's timeline; figures in recipe_gpu.json); "revisions" runs scripts/compare_revisions.py between
+# REVISIONS_OLD (default .old_rev: another revision's files, e.g. `git archive REV moeblaze_megatron |
+# tar x -C .old_rev`, git-ignored, carried) and this checkout on REVISIONS_CONFIGS. Every step's whole output
 # is kept as $out/STEP.log. Results go to $OUT (default benchmarks/results/latest).
 #
 # Transformer Engine steps (TE must already be in /tmp/site: ../shared/tools/te-device.sh's
@@ -51,8 +56,9 @@ export PYTHONUNBUFFERED=1
 steps=" ${STEPS:-tests megatron routing layer silu} "
 for name in $steps; do
   case $name in
-    tests|megatron|routing|ring|tune|ncu|layer|silu|ws_ab|titan|te_check|te_layer|te_select|te_compare) ;;
-    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron routing ring tune ncu layer silu ws_ab titan" \
+    tests|megatron|recipe|revisions|routing|ring|tune|ncu|layer|silu|ws_ab|titan|te_check|te_layer|te_select|te_compare) ;;
+    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron recipe revisions routing ring tune ncu layer" \
+         "silu ws_ab titan" \
          "te_check te_layer te_select te_compare"; exit 1 ;;
   esac
 done
@@ -94,6 +100,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv,noh
 # shellcheck disable=SC2086  # TESTS_PATHS is a list of paths
 step tests "${TESTS_S:-360}" 6 python3 -m pytest ${TESTS_PATHS:-tests/gpu} -q -x -p no:cacheprovider
 step megatron "${MEGATRON_S:-120}" 32 python3 scripts/gpu_megatron_check.py --out "$out/gpu_megatron_check.json"
+MOEBLAZE_RECIPE_JSON="$out/recipe_gpu.json" step recipe "${RECIPE_S:-240}" 30 python3 -m pytest \
+  tests/gpu/test_megatron_recipe_gpu.py -q -p no:cacheprovider -rA
+step revisions "${REVISIONS_S:-240}" 12 python3 scripts/compare_revisions.py --old "${REVISIONS_OLD:-.old_rev}" --new . \
+  --configs "${REVISIONS_CONFIGS:-7b,qwen3}" --out "$out/compare_revisions.json"
 # shellcheck disable=SC2086  # TITAN_FLAGS is a list of flags
 step titan "${TITAN_S:-330}" 16 python3 scripts/compare_torchtitan.py --out "$out/compare_torchtitan" ${TITAN_FLAGS:-}
 step routing "${ROUTING_S:-60}" 24 python3 scripts/bench_routing.py --quick --out "$out/bench_routing_quick.json"

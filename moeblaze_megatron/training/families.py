@@ -111,19 +111,26 @@ class StockVariant:
     """One form of Megatron's stock MoE with Transformer Engine (alltoall dispatcher at EP = 1).
 
     ``stock_args``: flags of the stock dispatch and experts only (MoEBlaze refuses or ignores them);
-    ``shared_args``: model flags outside the dispatcher and experts (the router), given to both
-    dispatchers so that the comparison keeps one model; ``env``: environment variables the form
-    needs while it is built and trained."""
+    ``shared_args``: flags given to both dispatchers (the router, CUDA graphs, the shared-expert
+    overlap, the collector), so that the comparison keeps one model and one recipe;
+    ``candidate_args``: flags given to MoEBlaze only, after the shared ones (so they win: a wider
+    CUDA graph scope); ``env``: environment variables the form needs while it is built and trained."""
 
     name: str
     stock_args: tuple[str, ...]
     shared_args: tuple[str, ...] = ()
     env: dict = field(default_factory=dict)
     note: str = ""
+    candidate_args: tuple[str, ...] = ()
 
 
 _GROUPED = ("--moe-grouped-gemm", "--moe-permute-fusion")
 _ROUTER_FUSION = ("--moe-router-fusion",)
+# Megatron-Core 0.19's MoE README, its CPU-overhead recipe on Hopper: TE's CUDA graphs over the
+# attention, the router and the dispatch preprocessing, the shared-expert overlap, the collector
+# run by hand. (The overlap flag is inert in a family without a shared expert.)
+_RECIPE = (*_ROUTER_FUSION, "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn", "moe_router",
+           "moe_preprocess", "--moe-shared-expert-overlap", "--manual-gc")
 
 # The speed options Megatron-Core 0.19 offers its stock MoE on one GPU with Transformer Engine:
 # TEGroupedMLP (--moe-grouped-gemm), the fused permutation, the fused router (top-k, scores and
@@ -137,6 +144,11 @@ TE_STOCK_VARIANTS: dict[str, StockVariant] = {v.name: v for v in (
                  note="as te, the grouped MLP through TE's operation fuser (Megatron asserts support)"),
     StockVariant("te_shared_overlap", (*_GROUPED, "--moe-shared-expert-overlap"), _ROUTER_FUSION,
                  note="as te, the shared expert overlapped with the dispatch (families with one)"),
+    StockVariant("te_recipe", _GROUPED, _RECIPE,
+                 note="as te, with Megatron's MoE performance recipe for both: CUDA graphs over attn moe_router "
+                      "moe_preprocess, the shared-expert overlap (where there is a shared expert), --manual-gc"),
+    StockVariant("te_recipe_moe_graph", _GROUPED, _RECIPE, candidate_args=("--cuda-graph-modules", "attn", "moe"),
+                 note="as te_recipe; MoEBlaze's CUDA graphs capture the attention and the whole MoE layer"),
 )}
 
 # What examples/common.sh adds for the stock dispatchers with TE (STOCK=te, the default there).

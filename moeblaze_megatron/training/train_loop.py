@@ -253,6 +253,54 @@ def _release_device_memory(model_chunks) -> None:
                 buffer.grad_data = buffer.param_data = None
 
 
+class TrainingLoopRecipe:
+    """The parts of Megatron's performance recipe that its ``train()`` loop runs, run the same way
+    here: TE's per-layer CUDA graphs (``--cuda-graph-impl transformer_engine``) captured once
+    ``--cuda-graph-warmup-steps`` steps have run; the whole-iteration graph (``full_iteration``)
+    around the schedule; the collector run by hand (``--manual-gc``, every
+    ``--manual-gc-interval`` steps). Megatron's schedule itself captures its local graphs."""
+
+    def __init__(self, args, model, config, optimizer):
+        self.args, self.start = args, getattr(args, "iteration", 0) or 0
+        self.te_graphs = None
+        if args.cuda_graph_impl == "transformer_engine":
+            from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+            self.te_graphs = TECudaGraphHelper(model=model, config=config, seq_length=args.seq_length,
+                                               micro_batch_size=args.micro_batch_size, optimizers=[optimizer])
+        if args.manual_gc:
+            if args.manual_gc_interval < 0:
+                raise ValueError(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+            gc.disable()
+            gc.collect()
+
+    def schedule(self, forward_backward_func):
+        """The schedule, inside the whole-iteration graph where ``full_iteration`` asks for one."""
+        if self.args.cuda_graph_impl != "full_iteration":
+            return forward_backward_func
+        if not hasattr(self, "_full_graph"):
+            from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+            self._full_graph = FullCudaGraphWrapper(forward_backward_func,
+                                                    cuda_graph_warmup_steps=self.args.cuda_graph_warmup_steps)
+        return self._full_graph
+
+    def before_step(self, iteration: int) -> None:
+        if (self.te_graphs is not None and not self.te_graphs.capture_finished()
+                and iteration - self.start == self.args.cuda_graph_warmup_steps):
+            self.te_graphs.create_cudagraphs()
+
+    def after_step(self, iteration: int) -> None:
+        if self.args.manual_gc and self.args.manual_gc_interval != 0 and iteration % self.args.manual_gc_interval == 0:
+            gc.collect()
+
+    def close(self) -> None:
+        if self.te_graphs is not None and self.te_graphs.graphs_created():
+            self.te_graphs.delete_cuda_graphs()
+        if self.args.manual_gc:
+            gc.enable()
+
+
 class Trainer:
     """One model with its optimizer and scheduler, trained step by step.
 
@@ -316,6 +364,7 @@ class Trainer:
             self.tokenizer = build_tokenizer(args)
             samples = args.train_iters * args.global_batch_size
             self.train_dataset = build_gpt_datasets(args, self.tokenizer, [samples, None, None], lambda: True)[0]
+            self.recipe = TrainingLoopRecipe(args, self.model, self.config, self.optimizer)
 
     def unwrapped_state_dict(self) -> dict:
         """The GPTModel's plain state_dict, on the CPU (an ``initial_state`` for another Trainer)."""
@@ -373,7 +422,8 @@ class Trainer:
             for chunk in self.model:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
-            reports = get_forward_backward_func()(
+            self.recipe.before_step(self.iteration)
+            reports = self.recipe.schedule(get_forward_backward_func())(
                 forward_step_func=forward_step, data_iterator=batches, model=self.model,
                 num_microbatches=num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=False,
@@ -384,9 +434,12 @@ class Trainer:
         self._synchronize()
         seconds = time.perf_counter() - start
         self.iteration += 1
+        self.recipe.after_step(self.iteration)
         args.iteration = self.iteration
         args.consumed_train_samples += args.global_batch_size
         total = torch.stack([r["lm loss"] for r in reports]).sum(dim=0)
+        # A replayed whole-iteration graph runs no forward_step in Python: count its samples.
+        tokens = tokens or num_microbatches * args.micro_batch_size * args.seq_length
         return StepResult(loss=float(total[0] / total[1]), seconds=seconds, tokens=tokens)
 
     def save(self) -> None:
@@ -412,6 +465,7 @@ class Trainer:
         """Drop the model and optimizer and Megatron's global variables; free device memory."""
         from megatron.training.global_vars import unset_global_variables
 
+        self.recipe.close()
         # The model's TransformerConfig holds the optimizer's loss-scale hook: drop both.
         self.config.grad_scale_func = self.config.finalize_model_grads_func = None
         _release_device_memory(self.model)

@@ -178,12 +178,13 @@ def resolve_stock_form(args, device) -> None:
 def form(args, which: str):
     """(Megatron dispatcher, extra Megatron flags, environment) of the run ``which`` ("baseline"
     or "candidate"): the TE baseline is alltoall with its variant's flags; the candidate shares
-    the variant's model flags (the fused router), not its dispatch and expert flags."""
+    the variant's model and recipe flags (the fused router, CUDA graphs, ...), not its dispatch
+    and expert flags, and takes its own after them."""
     from moeblaze_megatron.training.families import te_stock_variant
 
     variant = te_stock_variant(args.stock_variant) if args.stock_variant else None
     if which == "candidate":
-        return args.candidate, (variant.shared_args if variant else ()), {}
+        return args.candidate, ((*variant.shared_args, *variant.candidate_args) if variant else ()), {}
     if variant is not None:
         return "alltoall", (*variant.stock_args, *variant.shared_args), dict(variant.env)
     return args.baseline, (), {}
@@ -380,6 +381,7 @@ def time_stock_variants(args, device, data_path, progress, initial_state=None):
     for name in args.stock_variants:
         variant = te_stock_variant(name)
         record = {"stock_args": list(variant.stock_args), "shared_args": list(variant.shared_args),
+                  "candidate_args": list(variant.candidate_args),
                   "env": dict(variant.env), "note": variant.note}
         progress(f"stock variant {name}: {' '.join(variant.stock_args + variant.shared_args)}"
                  + "".join(f" with {k}={v}" for k, v in variant.env.items()))

@@ -188,9 +188,19 @@ def test_parser_defaults_and_stock_choices(monkeypatch):
     assert megatron_plugin.moeblaze_config_from_args(args) == MoEBlazeConfig()
 
 
-def test_parser_rejects_bad_plugin_values(monkeypatch):
-    with pytest.raises(SystemExit):
-        _parse(monkeypatch, ["--moe-token-dispatcher-type", "moeblaze", "--moeblaze-recompute", "nothing"])
+@pytest.mark.parametrize("flags,message", [
+    (["--moeblaze-recompute", "full"],
+     "argument --moeblaze-recompute: invalid choice: 'full' (choose from 'activation', 'fc1')"),
+    (["--moeblaze-backend", "cuda"], "argument --moeblaze-backend: invalid choice: 'cuda'"),
+    (["--moeblaze-ep-mode", "ring"], "ep_mode='ring' needs recompute='fc1' (--moeblaze-recompute fc1)"),
+])
+def test_parser_rejects_bad_plugin_values_in_one_line(monkeypatch, capsys, flags, message):
+    """A bad --moeblaze-* value: argparse's own form of error, one line, exit code 2, no usage dump."""
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(monkeypatch, ["--moe-token-dispatcher-type", "moeblaze", *flags])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "error: " in lines[0] and message in lines[0], lines
 
 
 def test_add_moeblaze_args_twice_is_harmless():
@@ -210,7 +220,8 @@ def test_add_moeblaze_args_twice_is_harmless():
         (["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"], "moe_pad_expert_input_to_capacity"),
         (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "expert_tensor_parallel_size=2"),
         (["--expert-tensor-parallel-size", "2"], "expert_tensor_parallel_size=2"),
-        (["--moe-shared-expert-intermediate-size", "8", "--moe-shared-expert-overlap"], "moe_shared_expert_overlap"),
+        (["--expert-model-parallel-size", "2", "--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"],
+         "CUDA graphs over the MoE dispatch at expert-parallel size 2"),
         (["--overlap-moe-expert-parallel-comm"], "overlap_moe_expert_parallel_comm"),
         (["--moe-permute-fusion"], "moe_permute_fusion"),
         (["--moe-apply-probs-on-input"], "moe_apply_probs_on_input"),
@@ -244,9 +255,10 @@ def test_parser_tp_with_expert_tp_1_accepted(monkeypatch):
 
 
 def test_ep_and_ring_mode_flags(monkeypatch):
-    for flags, want in (([], ("alltoall", "auto")), (["--moeblaze-ep-mode", "ring"], ("ring", "auto")),
-                        (["--moeblaze-ep-mode", "auto", "--moeblaze-ring-mode", "token"], ("auto", "token")),
-                        (["--moeblaze-ep-mode", "ring", "--moeblaze-ring-mode", "expert"], ("ring", "expert"))):
+    fc1 = ["--moeblaze-recompute", "fc1"]
+    for flags, want in (([], ("alltoall", "auto")), (["--moeblaze-ep-mode", "ring", *fc1], ("ring", "auto")),
+                        (["--moeblaze-ep-mode", "auto", "--moeblaze-ring-mode", "token", *fc1], ("auto", "token")),
+                        (["--moeblaze-ep-mode", "ring", "--moeblaze-ring-mode", "expert", *fc1], ("ring", "expert"))):
         args = _parse(monkeypatch, ["--moe-token-dispatcher-type", "moeblaze", *flags])
         options = megatron_plugin.moeblaze_config_from_args(args)
         assert (options.ep_mode, options.ring_mode) == want
@@ -266,7 +278,7 @@ def test_transformer_config_from_args_attaches_options(monkeypatch):
     assert get_moeblaze_config(config) == MoEBlazeConfig(recompute="fc1")
     seed_everything(1)
     layer = build_moe_layer(config)
-    assert layer.experts.recompute == "fc1"
+    assert layer.experts.options.recompute == "fc1"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -202,13 +202,22 @@ def test_every_variant_flag_is_a_megatron_flag():
 
     for variant in TE.values():
         saved = sys.argv
-        sys.argv = ["x", *families.family_args("tiny"), *variant.stock_args, *variant.shared_args]
+        sys.argv = ["x", *families.family_args("tiny"), *variant.stock_args, *variant.shared_args,
+                    *variant.candidate_args]
         try:
             args = parse_args(extra_args_provider)
         finally:
             sys.argv = saved
-        for flag in (*variant.stock_args, *variant.shared_args):
-            assert getattr(args, flag.removeprefix("--").replace("-", "_")) is True, (variant.name, flag)
+        flags = (*variant.stock_args, *variant.shared_args, *variant.candidate_args)
+        starts = [i for i, token in enumerate(flags) if token.startswith("--")]
+        for i, end in zip(starts, [*starts[1:], len(flags)]):
+            flag, values = flags[i], list(flags[i + 1:end])
+            got = getattr(args, flag.removeprefix("--").replace("-", "_"))
+            if not values:
+                assert got is True, (variant.name, flag)
+            elif flag not in variant.candidate_args:  # the candidate's own scope is given after, and wins
+                assert [getattr(v, "name", str(v)) for v in (got if isinstance(got, list) else [got])] == values, (
+                    variant.name, flag, got)
 
 
 def test_apex_probe_looks_for_megatrons_fused_kernel_module(monkeypatch):
@@ -252,3 +261,38 @@ def test_the_te_form_refuses_fp8_as_the_plugin_says_it(monkeypatch, with_te):
     assert error.value.code == 2
     args.megatron_args = []
     compare.check_megatron_args(args, CUDA)  # every variant's runs parse and validate
+
+
+def test_recipe_forms_give_both_runs_the_recipe(with_te):
+    """te_recipe: Megatron's performance recipe (CUDA graphs over attn moe_router moe_preprocess,
+    the shared-expert overlap, --manual-gc) for both runs, the stock dispatch flags for the stock
+    run only; te_recipe_moe_graph: MoEBlaze's graphs capture the attention and the whole MoE
+    layer (its scope after the shared flags, so it wins)."""
+    args = args_for(stock_variants="te_recipe", family="deepseek_v3")
+    compare.resolve_stock_form(args, CUDA)
+    dispatcher, extra, _ = compare.form(args, "baseline")
+    assert dispatcher == "alltoall" and extra[:2] == ("--moe-grouped-gemm", "--moe-permute-fusion")
+    recipe = ("--moe-router-fusion", "--cuda-graph-impl", "transformer_engine", "--cuda-graph-modules", "attn",
+              "moe_router", "moe_preprocess", "--moe-shared-expert-overlap", "--manual-gc")
+    assert extra[2:] == recipe
+    assert compare.form(args, "candidate") == ("moeblaze", recipe, {})
+    args.stock_variant = "te_recipe_moe_graph"
+    assert compare.form(args, "baseline")[1][2:] == recipe
+    assert compare.form(args, "candidate") == ("moeblaze", (*recipe, "--cuda-graph-modules", "attn", "moe"), {})
+
+
+@pytest.mark.parametrize("variant", ["te_recipe", "te_recipe_moe_graph"])
+def test_recipe_flags_pass_megatron_and_the_plugin(variant, monkeypatch):
+    """Each run's whole command line of a recipe form goes through Megatron's parser and
+    validation and the plugin's refusal (what compare_dispatchers.py checks before training)."""
+    from moeblaze_megatron.training.train_loop import megatron_argv_problem
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # a Hopper card
+    form = TE[variant]
+    base = [*families.family_args("deepseek_v3"), "--seq-length", "64", "--max-position-embeddings", "64",
+            "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "2", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--bf16"]
+    stock = [*base, "--moe-token-dispatcher-type", "alltoall", *form.stock_args, *form.shared_args]
+    moeblaze = [*base, "--moe-token-dispatcher-type", "moeblaze", *form.shared_args, *form.candidate_args]
+    for argv in (stock, moeblaze):
+        assert megatron_argv_problem(argv) is None, argv
