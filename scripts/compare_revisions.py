@@ -102,7 +102,7 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(recompute=args.recompute, rounds=args.rounds, reps=args.reps, configs=report), f, indent=1)
-    print(f"\n| config | bitwise equal | old ms | new ms | new / old |\n|---|---|---|---|---|")
+    print("\n| config | bitwise equal | old ms | new ms | new / old |\n|---|---|---|---|---|")
     for name, row in report.items():
         print(f"| {name} | {row['bitwise_equal']} | {row['old_ms']:.2f} | {row['new_ms']:.2f} | "
               f"{row['new_ms'] / row['old_ms']:.3f} |")
