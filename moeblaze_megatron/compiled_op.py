@@ -34,7 +34,7 @@ def compiled_moe_mlp(x, topk_ids, topk_probs, fc1, fc2, options: PassOptions, us
     w1, w3 = fc1 if isinstance(fc1, tuple) else (fc1, None)
     y, *_ = torch.ops.moeblaze.moe_mlp_forward(x, topk_ids, topk_probs, w1, w3, fc2, options.activation,
                                                 options.save_pre, options.backend, options.routing_method,
-                                                used_slots)
+                                                used_slots, options.fp8)
     return y
 
 
@@ -61,13 +61,13 @@ def _empty(x):
 @torch.library.custom_op("moeblaze::moe_mlp_forward", mutates_args=())
 def _forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor, w1: torch.Tensor,
              w3: torch.Tensor | None, w2: torch.Tensor, activation: str, save_pre: bool, backend: str,
-             routing_method: str, used_slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                         torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                         torch.Tensor]:
+             routing_method: str, used_slots: torch.Tensor | None, fp8: str | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, probs in expert order (empty for the reference), pre-activations or an empty tensor,
-    the plan's four maps); the expert-order ones cut to ``used_slots`` where given."""
-    options = PassOptions(activation, save_pre, backend, routing_method)
-    fc1, fc2 = passes.compute_weights(_fc1(w1, w3), w2, x.dtype, backend)
+    the plan's four maps); the expert-order ones cut to ``used_slots`` where given. ``fp8``: the
+    passes' FP8 format (None: the GEMMs in x's dtype)."""
+    options = PassOptions(activation, save_pre, backend, routing_method, fp8)
+    fc1, fc2 = passes.compute_weights(_fc1(w1, w3), w2, x.dtype, backend, fp8)
     x, topk_probs = x.contiguous(), topk_probs.contiguous()
     plan = passes.build_plan(x, topk_ids, topk_probs, fc1, fc2, w1.shape[0], options, (True,) * 4,
                              None if used_slots is None else int(used_slots))
@@ -77,7 +77,8 @@ def _forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor, 
 
 
 @_forward.register_fake
-def _forward_fake(x, topk_ids, topk_probs, w1, w3, w2, activation, save_pre, backend, routing_method, used_slots):
+def _forward_fake(x, topk_ids, topk_probs, w1, w3, w2, activation, save_pre, backend, routing_method, used_slots,
+                  fp8=None):
     slots = topk_ids.numel() if used_slots is None else torch.library.get_ctx().new_dynamic_size()
     index = dict(dtype=torch.int32, device=topk_ids.device)
     sorted_slots = slots if backend == "triton" else 0
@@ -91,13 +92,14 @@ def _forward_fake(x, topk_ids, topk_probs, w1, w3, w2, activation, save_pre, bac
 def _backward(grad_y: torch.Tensor, x: torch.Tensor, topk_probs: torch.Tensor, probs_sorted: torch.Tensor,
               w1: torch.Tensor, w3: torch.Tensor | None, w2: torch.Tensor, pre: torch.Tensor,
               plan_tensors: list[torch.Tensor], activation: str, save_pre: bool, backend: str,
-              needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              needs: list[bool], fp8: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor, torch.Tensor]:
     """(grad x, grad probs, grad w1, grad w3, grad w2), an empty tensor for each one ``needs``
     (x, probs, w1, w3, w2) does not ask for. The kernels turn ``pre`` (when saved) into its
     gradient in place: it is declared mutated."""
-    options = PassOptions(activation, save_pre, backend)
+    options = PassOptions(activation, save_pre, backend, fp8=fp8)
     plan = RoutingPlan(*plan_tensors)
-    fc1, fc2 = passes.compute_weights(_fc1(w1, w3), w2, x.dtype, backend)
+    fc1, fc2 = passes.compute_weights(_fc1(w1, w3), w2, x.dtype, backend, fp8)
     need_x, need_probs, need_w1, need_w3, need_w2 = needs
     grads = passes.backward(grad_y, x, topk_probs.contiguous(), probs_sorted if backend == "triton" else None, fc1,
                             fc2, plan, pre if save_pre else None, options,
@@ -114,16 +116,17 @@ def _backward(grad_y: torch.Tensor, x: torch.Tensor, topk_probs: torch.Tensor, p
 
 @_backward.register_fake
 def _backward_fake(grad_y, x, topk_probs, probs_sorted, w1, w3, w2, pre, plan_tensors, activation, save_pre, backend,
-                   needs):
+                   needs, fp8=None):
     likes = (x, topk_probs, w1, w3, w2)
     return tuple(like.new_empty(like.shape) if need else _empty(x) for like, need in zip(likes, needs))
 
 
 def _setup_context(ctx, inputs, output):
-    x, _, topk_probs, w1, w3, w2, activation, save_pre, backend, _, _ = inputs
+    x, _, topk_probs, w1, w3, w2, activation, save_pre, backend, _, _, fp8 = inputs
     _, probs_sorted, pre, *plan_tensors = output
     ctx.save_for_backward(x, topk_probs, probs_sorted, w1, w3, w2, pre, *plan_tensors)
     ctx.options = (activation, save_pre, backend)
+    ctx.fp8 = fp8
     ctx.mark_non_differentiable(*output[1:])
 
 
@@ -134,9 +137,9 @@ def _backward_of_forward(ctx, grad_y, *_):
     if grad_y is None:
         grad_y = torch.zeros_like(x)
     grads = torch.ops.moeblaze.moe_mlp_backward(grad_y, x, topk_probs, probs_sorted, w1, w3, w2, pre, plan_tensors,
-                                                *ctx.options, needs)
+                                                *ctx.options, needs, ctx.fp8)
     grad_x, grad_probs, grad_w1, grad_w3, grad_w2 = (g if n else None for g, n in zip(grads, needs))
-    return grad_x, None, grad_probs, grad_w1, grad_w3, grad_w2, None, None, None, None, None
+    return grad_x, None, grad_probs, grad_w1, grad_w3, grad_w2, None, None, None, None, None, None
 
 
 _forward.register_autograd(_backward_of_forward, setup_context=_setup_context)

@@ -12,6 +12,8 @@ __all__ = [
     "ACTIVATIONS",
     "BACKENDS",
     "EP_MODES",
+    "FP8_FORMATS",
+    "FP8_RECIPES",
     "MoEBlazeConfig",
     "OptionError",
     "RECOMPUTE_MODES",
@@ -24,6 +26,9 @@ __all__ = [
     "option_problem",
     "expert_bias_problem",
     "expert_tp_problem",
+    "fp8_problem",
+    "fp8_recipe_problem",
+    "megatron_fp8_format",
     "get_moeblaze_config",
     "ring_recompute_problem",
     "saves_pre_activations",
@@ -45,6 +50,11 @@ EP_MODES = ("alltoall", "ring", "auto")
 RING_MODES = ("expert", "token")
 # The ring option: one of the rings, or per layer the one that moves fewer bytes.
 RING_CHOICES = ("auto", *RING_MODES)
+# FP8 experts (blockwise recipe): E4M3 throughout, or E4M3 forward and E5M2 gradients
+# (Megatron's --fp8-format); None: the experts compute in the input's dtype.
+FP8_FORMATS = ("e4m3", "hybrid")
+# Megatron's --fp8-recipe choices the FP8 experts run (the others are refused by name).
+FP8_RECIPES = ("blockwise",)
 
 # Every option and the choices it takes: the one declaration the checks below, the op's
 # arguments and the command line's help read.
@@ -54,6 +64,7 @@ OPTION_CHOICES = {
     "backend": BACKENDS,
     "ep_mode": EP_MODES,
     "ring_mode": RING_CHOICES,
+    "fp8": (None, *FP8_FORMATS),
 }
 
 
@@ -95,6 +106,36 @@ def ring_recompute_problem(ep_mode: str, recompute: str) -> str | None:
     return None
 
 
+def fp8_problem(fp8, ep_mode: str) -> str | None:
+    """Why FP8 experts cannot run with ``ep_mode`` (None: they can). The ring's hops run the
+    experts in the input's dtype only."""
+    if fp8 is not None and ep_mode in ("ring", "auto"):
+        return (f"fp8={fp8!r} runs the experts locally and under ep_mode='alltoall'; ep_mode={ep_mode!r} may "
+                "run the ring, whose hops compute in bf16: use --moeblaze-ep-mode alltoall")
+    return None
+
+
+_RECIPE_ADVICE = {
+    "tensorwise": "use --fp8-recipe blockwise (Megatron-Core's recipe for Hopper)",
+    "delayed": "use --fp8-recipe blockwise (Megatron-Core's recipe for Hopper)",
+    "mxfp8": "MXFP8 needs Blackwell's block-scaled tensor cores: on Hopper use --fp8-recipe blockwise",
+}
+
+
+def megatron_fp8_format(fp8, recipe) -> str | None:
+    """The experts' ``fp8`` option for Megatron's ``--fp8-format`` and ``--fp8-recipe``: the format
+    under a recipe they run, else None (``fp8_recipe_problem`` names the refusal)."""
+    return fp8 if fp8 and fp8_recipe_problem(recipe) is None else None
+
+
+def fp8_recipe_problem(recipe: str | None) -> str | None:
+    """Why Megatron's ``--fp8-recipe`` is refused for MoEBlaze's FP8 experts (None: it runs)."""
+    if recipe in FP8_RECIPES:
+        return None
+    advice = _RECIPE_ADVICE.get(recipe, "use --fp8-recipe blockwise")
+    return f"fp8_recipe={recipe!r}: MoEBlaze's FP8 experts run the blockwise recipe only; {advice}"
+
+
 @dataclass(frozen=True)
 class MoEBlazeConfig:
     """The plugin's own options (Megatron's ``--moeblaze-*`` flags).
@@ -112,6 +153,9 @@ class MoEBlazeConfig:
         first GEMM in backward: ``"ring"`` and ``"auto"`` take ``recompute="fc1"`` only.
     ring_mode: which ring runs: ``"expert"`` (the weight shards travel), ``"token"`` (the token
         blocks travel) or ``"auto"`` (per layer, the one that moves fewer bytes).
+    fp8: ``None`` (the experts compute in the input's dtype) or an FP8 format of the blockwise
+        recipe, ``"e4m3"`` or ``"hybrid"`` (E5M2 gradients). Megatron's experts take it from
+        ``--fp8-format`` with ``--fp8-recipe blockwise``; the torchtitan override from its option.
     """
 
     recompute: str = "activation"
@@ -119,6 +163,7 @@ class MoEBlazeConfig:
     backend: str = "auto"
     ep_mode: str = "alltoall"
     ring_mode: str = "auto"
+    fp8: str | None = None
 
     def __post_init__(self):
         # The one place the options are checked: the command line and the torchtitan override
@@ -128,6 +173,9 @@ class MoEBlazeConfig:
         problem = ring_recompute_problem(self.ep_mode, self.recompute)
         if problem is not None:
             raise OptionError(problem, "ep_mode", self.ep_mode)
+        problem = fp8_problem(self.fp8, self.ep_mode)
+        if problem is not None:
+            raise OptionError(problem, "fp8", self.fp8)
 
     @property
     def saves_pre_activations(self) -> bool:

@@ -21,6 +21,8 @@ expert-parallel RNG stream or on the CPU), so one seed gives both the same weigh
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -30,7 +32,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_object_for_checkpoint
 
-from .config import activation_name, expert_bias_problem, expert_tp_problem, get_moeblaze_config
+from .config import (activation_name, expert_bias_problem, expert_tp_problem, fp8_recipe_problem, get_moeblaze_config,
+                     megatron_fp8_format)
 from .dispatcher import ExpertRouting
 from .parallel.moe import run_routed
 from .warmup import start_compile_workers
@@ -47,6 +50,30 @@ def activation_of_config(config) -> tuple[bool, str]:
     func = config.activation_func
     name = {F.silu: "silu", F.gelu: "gelu"}.get(func, getattr(func, "__name__", repr(func)))
     return bool(config.gated_linear_unit), name
+
+
+_said: set = set()
+
+
+def _say_once(message: str) -> None:
+    """One start-up line (on rank 0 where a process group exists), once per process."""
+    if message in _said:
+        return
+    _said.add(message)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"moeblaze: {message}", flush=True)
+
+
+def expert_options(config):
+    """The experts' MoEBlazeConfig for a TransformerConfig: its ``moeblaze`` options with the FP8
+    format of ``--fp8-format`` under ``--fp8-recipe blockwise`` (a ValueError naming another
+    recipe); a ring mode with FP8 is refused by MoEBlazeConfig's own check."""
+    fp8, recipe = getattr(config, "fp8", None), getattr(config, "fp8_recipe", None)
+    if fp8 and fp8_recipe_problem(recipe) is not None:
+        raise ValueError(f"MoEBlazeGroupedMLP: {fp8_recipe_problem(recipe)}")
+    options = get_moeblaze_config(config)
+    fp8 = megatron_fp8_format(fp8, recipe)
+    return options if options.fp8 == fp8 else dataclasses.replace(options, fp8=fp8)
 
 
 def expert_activation(config) -> str:
@@ -78,7 +105,13 @@ class MoEBlazeGroupedMLP(MegatronModule):
             if problem is not None:
                 raise ValueError(f"MoEBlazeGroupedMLP: {problem}")
         self.activation = expert_activation(config)
-        self.options = get_moeblaze_config(config)
+        self.options = expert_options(config)
+        if self.options.fp8 is not None:
+            _say_once(f"experts in FP8 ({self.options.fp8}, blockwise: 1x128 blocks of activations and gradients, "
+                      "128x128 of weights, 128x1 along the tokens for the weight gradients)")
+        if getattr(config, "moe_router_padding_for_quantization", False):
+            _say_once("--moe-router-padding-for-quantization: nothing to pad, the experts take any number of rows "
+                      "per expert; the routing is used as the router gave it")
         start_compile_workers(self.options.backend)
 
         hidden = config.hidden_size

@@ -30,7 +30,9 @@ from .config import (
     activation_problem,
     expert_bias_problem,
     expert_tp_problem,
+    fp8_recipe_problem,
     get_moeblaze_config,
+    megatron_fp8_format,
     set_moeblaze_config,
 )
 from .dispatcher import MoEBlazeTokenDispatcher
@@ -106,7 +108,8 @@ def moeblaze_config_from_args(args) -> MoEBlazeConfig:
     ``OptionError`` (checked by MoEBlazeConfig) for a value it does not take."""
     values = {option: getattr(args, f"moeblaze_{option}") for option in OPTION_CHOICES
               if hasattr(args, f"moeblaze_{option}")}
-    return MoEBlazeConfig(**values)
+    fp8 = megatron_fp8_format(getattr(args, "fp8", None), getattr(args, "fp8_recipe", None))
+    return MoEBlazeConfig(**values, fp8=fp8)
 
 
 def flag_message(error: Exception) -> str:
@@ -180,13 +183,16 @@ def _problems(get, gated: bool, activation: str) -> list[str]:
         if problem is not None:
             problems.append(problem)
 
-    refuse(get("fp8"), "fp8 (--fp8-format): MoEBlaze experts compute in bf16/fp16/fp32; drop fp8")
-    refuse(get("fp4"), "fp4 (--fp4-format): MoEBlaze experts compute in bf16/fp16/fp32; drop fp4")
+    if get("fp8"):
+        add(fp8_recipe_problem(get("fp8_recipe")))
+        refuse(
+            get("fp8_param") or get("fp8_param_gather"),
+            "fp8_param (--fp8-param-gather): MoEBlaze's experts keep their parameters in the model's dtype and "
+            "quantize them once per optimizer step; drop --fp8-param-gather",
+        )
+    refuse(get("fp4"), "fp4 (--fp4-format): MoEBlaze experts run the FP8 blockwise recipe (--fp8-format e4m3 "
+                       "--fp8-recipe blockwise) or the model's dtype; drop fp4")
     refuse(get("use_kitchen"), "use_kitchen (quantized linear layers): not supported by MoEBlaze experts")
-    refuse(
-        get("moe_router_padding_for_quantization"),
-        "moe_router_padding_for_quantization: only meaningful with fp8/fp4; drop it",
-    )
     etp = get("expert_tensor_parallel_size") or get("tensor_model_parallel_size") or 1
     add(expert_tp_problem(etp))
     refuse(

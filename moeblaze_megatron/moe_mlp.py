@@ -34,6 +34,7 @@ def moe_mlp(
     routing_method: str = "auto",
     validate: bool = True,
     used_slots=None,
+    fp8: str | None = None,
 ) -> torch.Tensor:
     """``y[t] = sum_k topk_probs[t, k] * fc2[e] @ act(fc1[e] @ x[t])`` with ``e = topk_ids[t, k]``.
 
@@ -60,6 +61,10 @@ def moe_mlp(
     int64 CPU tensor: the rows an expert-parallel exchange received, -1 padded): the plan's
     expert-order buffers (the saved pre-activations among them) are cut to it instead of T * K.
     It must be exact and is not checked (a check would synchronize with the host).
+    ``fp8``: None, or ``"e4m3"`` / ``"hybrid"``: the six GEMMs in FP8 under the blockwise recipe
+    (``fp8.py``; hybrid: E5M2 gradients), x and the output gradient quantized once per call, the
+    weights once per optimizer step; the output and the gradients stay in x's and the weights' dtypes.
+    Eager and under torch.compile alike.
 
     Under torch.compile the op runs as two custom ops (forward, backward) that the graph keeps
     whole; the plan is then built inside them (``plan`` must be None) and the ids' values are not
@@ -68,8 +73,8 @@ def moe_mlp(
     compiling = torch.compiler.is_compiling()
     # A check of the ids' values reads them on the host: not inside a compiled graph.
     num_experts = check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activation, plan, recompute,
-                                     backend, routing_method, validate and not compiling, used_slots)
-    options = passes.pass_options(x, activation, recompute, backend, routing_method)
+                                     backend, routing_method, validate and not compiling, used_slots, fp8)
+    options = passes.pass_options(x, activation, recompute, backend, routing_method, fp8)
     if compiling:
         if plan is not None:
             raise ValueError("moe_mlp under torch.compile builds the routing plan inside its custom op: pass plan=None")
@@ -93,7 +98,7 @@ class MoEMLPFunction(torch.autograd.Function):
         fc1 = gate if up is None else (gate, up)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2] or ctx.needs_input_grad[3],
                  ctx.needs_input_grad[4])
-        weights = passes.compute_weights(fc1, fc2_weight, x.dtype, options.backend)
+        weights = passes.compute_weights(fc1, fc2_weight, x.dtype, options.backend, options.fp8)
         if options.backend == "triton":
             x = x.contiguous()
         if plan is None:
@@ -120,7 +125,7 @@ class MoEMLPFunction(torch.autograd.Function):
         fc1 = gate if up is None else (gate, up)
         need = ctx.needs_input_grad
         needs = (need[0], need[1], need[2] or need[3], need[4])
-        weights = passes.compute_weights(fc1, fc2_weight, x.dtype, options.backend)
+        weights = passes.compute_weights(fc1, fc2_weight, x.dtype, options.backend, options.fp8)
         grad_x, grad_probs, grad_fc1, grad_fc2 = passes.backward(
             grad_y, x, topk_probs, probs_sorted, *weights, RoutingPlan(*plan_tensors), pre, options, needs)
         grad_fc1 = passes.as_fc1_form(grad_fc1, fc1)
@@ -141,7 +146,7 @@ def _describe(t):
 
 
 def check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activation, plan, recompute, backend,
-                       routing_method="auto", validate=True, used_slots=None) -> int:
+                       routing_method="auto", validate=True, used_slots=None, fp8=None) -> int:
     """Raise a clear error naming the offending argument; returns the number of experts."""
     halves = fc1_weight if isinstance(fc1_weight, tuple) else None
     if halves is not None and (len(halves) != 2 or activation != "swiglu"):
@@ -162,7 +167,8 @@ def check_moe_mlp_args(x, topk_ids, topk_probs, fc1_weight, fc2_weight, activati
         raise TypeError(f"{names} must share a dtype, got {', '.join(map(str, weight_dtypes))}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    for option, value in (("recompute", recompute), ("backend", backend), ("routing_method", routing_method)):
+    for option, value in (("recompute", recompute), ("backend", backend), ("routing_method", routing_method),
+                          ("fp8", fp8)):
         problem = option_problem(option, value)
         if problem is not None:
             # A plain ValueError: torch.compile traces this check and cannot build OptionError.

@@ -113,3 +113,66 @@ def reference_backward(grad_y, x, topk_probs, fc1_weight, fc2_weight, plan, acti
     grad_x = sum_slots(grad_x_rows, plan.token_index_map, out_dtype=x.dtype)
     grad_probs = plan.unpermute_rows(grad_probs_sorted).to(topk_probs.dtype)
     return grad_x, grad_probs, grad_fc1, grad_fc2
+
+
+def reference_fp8_forward(x, topk_probs, weights, plan, activation, fmts, *, save_pre, out_dtype=None):
+    """The forward pass under the blockwise FP8 recipe (``fp8.py``): ``(y, pre)`` as
+    ``reference_forward``'s. ``weights``: ``fp8.Fp8ExpertWeights``; ``fmts``: (forward, gradient)
+    formats. Each GEMM multiplies the dequantized operands in float64; pre is stored in x's dtype
+    and fc2's input is act(pre) quantized per 128 columns, as the kernels do."""
+    from .fp8 import dequantize_rows, quantize_rows
+
+    fwd = fmts[0]
+    x_q = dequantize_rows(*quantize_rows(x, fwd), fwd)
+    fc1 = torch.cat([w.dequantized(weights.fmt) for w in weights.fc1], dim=1)
+    fc2 = weights.fc2.dequantized(weights.fmt)
+    rows_total = plan.expert_token_indices.shape[0]
+    pre_all = x.new_empty(rows_total, fc1.shape[1]) if save_pre else None
+    out_rows = x.new_empty(rows_total, x.shape[1])
+    for e, s, t in _expert_ranges(plan.expert_token_offsets):
+        pre = (x_q[plan.expert_token_indices[s:t].long()] @ fc1[e].t()).to(x.dtype)
+        if save_pre:
+            pre_all[s:t] = pre
+        h = activation_forward(pre, activation)
+        out_rows[s:t] = (dequantize_rows(*quantize_rows(h, fwd), fwd) @ fc2[e].t()).to(x.dtype)
+    y = sum_slots(out_rows, plan.token_index_map, topk_probs, out_dtype=out_dtype or x.dtype)
+    return y, pre_all
+
+
+def reference_fp8_backward(grad_y, x, topk_probs, weights, plan, activation, fmts, pre_all):
+    """The backward pass under the blockwise FP8 recipe: ``reference_backward``'s results. dY is
+    quantized once per row; dX's operand d pre per 128 columns of each half; the weight
+    gradients' operands per column over each 128 of an expert's rows."""
+    from .fp8 import dequantize_columns, dequantize_rows, quantize_rows
+
+    fwd, bwd = fmts
+    dy_q = dequantize_rows(*quantize_rows(grad_y.contiguous(), bwd), bwd)
+    x_q = dequantize_rows(*quantize_rows(x, fwd), fwd)
+    fc1 = torch.cat([w.dequantized(weights.fmt) for w in weights.fc1], dim=1)
+    fc2 = weights.fc2.dequantized(weights.fmt)
+    parts = len(weights.fc1)
+    probs_sorted = plan.permute_probs(topk_probs)
+    rows_total = plan.expert_token_indices.shape[0]
+    grad_x_rows = x.new_empty(rows_total, x.shape[1])
+    acc = compute_dtype(x.dtype)
+    grad_probs_sorted = torch.empty(rows_total, dtype=acc, device=x.device)
+    grad_fc1 = torch.zeros(fc1.shape, dtype=torch.float64, device=x.device)
+    grad_fc2 = torch.zeros(fc2.shape, dtype=torch.float64, device=x.device)
+    for e, s, t in _expert_ranges(plan.expert_token_offsets):
+        tokens = plan.expert_token_indices[s:t].long()
+        pre = pre_all[s:t] if pre_all is not None else (x_q[tokens] @ fc1[e].t()).to(x.dtype)
+        h = activation_forward(pre, activation)
+        # dH rounded to x's dtype, as the kernels' epilogue takes it.
+        grad_h = (dy_q[tokens] @ fc2[e]).to(x.dtype).to(acc)
+        grad_probs_sorted[s:t] = (grad_h * h).sum(dim=1)
+        p = probs_sorted[s:t, None].to(acc)
+        h_scaled = (h * p).to(x.dtype)
+        grad_fc2[e] = dequantize_columns(grad_y[tokens], bwd).t() @ dequantize_columns(h_scaled, fwd)
+        grad_pre = activation_backward(pre, grad_h * p, activation).to(x.dtype)
+        grad_fc1[e] = dequantize_columns(grad_pre, bwd).t() @ dequantize_columns(x[tokens], fwd)
+        grad_pre_q = torch.cat([dequantize_rows(*quantize_rows(half.contiguous(), bwd), bwd)
+                                for half in grad_pre.chunk(parts, dim=1)], dim=1)
+        grad_x_rows[s:t] = (grad_pre_q @ fc1[e]).to(x.dtype)
+    grad_x = sum_slots(grad_x_rows, plan.token_index_map, out_dtype=x.dtype)
+    grad_probs = plan.unpermute_rows(grad_probs_sorted).to(topk_probs.dtype)
+    return grad_x, grad_probs, grad_fc1, grad_fc2

@@ -82,9 +82,15 @@ def config_problem(cfg: RoutedExperts.Config) -> str | None:
     """Why the override cannot take a routed-experts config (None: it can)."""
     inner = cfg.inner_experts
     if type(inner) is not GroupedExperts.Config:
-        return (f"inner_experts is {type(inner).__qualname__}; MoEBlaze replaces torchtitan's GroupedExperts "
+        owner = getattr(type(inner), "_owner", None)
+        name = f"{owner.__name__}.Config" if owner is not None else type(inner).__qualname__
+        quantized = name.startswith(("Float8", "MX", "NVFP4"))
+        advice = (": torchtitan's quantized experts (Float8GroupedExpertsConverter and its kin) do not compose "
+                  "with MoEBlaze's; keep the converter for the dense layers only (Float8LinearConverter) and give "
+                  "the override {\"fp8\": \"e4m3\"} for FP8 experts") if quantized else ""
+        return (f"inner_experts is {name}; MoEBlaze replaces torchtitan's GroupedExperts "
                 "(w1/w3 [E, F, D], w2 [E, D, F], SwiGLU, no bias) only: not fused gate/up weights "
-                "(fused_grouped_experts), GPT-OSS experts or quantized (float8 / MX) experts")
+                f"(fused_grouped_experts), GPT-OSS experts or quantized (float8 / MX) experts{advice}")
     dispatcher = cfg.token_dispatcher
     if type(dispatcher) not in (LocalTokenDispatcher.Config, AllToAllTokenDispatcher.Config):
         return (f"token_dispatcher is {type(dispatcher).__qualname__}; MoEBlaze does its own token exchange "
@@ -179,7 +185,8 @@ def moeblaze_experts(cfg: RoutedExperts.Config, **options) -> MoEBlazeRoutedExpe
     Options (keyword arguments, from ``--override.imports 'TARGET={"name": value, ...}'``):
     every field of ``MoEBlazeConfig`` (``recompute``: "activation" | "fc1"; ``routing_method``;
     ``backend``: "auto" | "triton" | "reference"; ``ep_mode``: "alltoall" | "ring" | "auto";
-    ``ring_mode``: "auto" | "expert" | "token"; their choices are declared in
+    ``ring_mode``: "auto" | "expert" | "token"; ``fp8``: null | "e4m3" | "hybrid", the experts' GEMMs
+    under the blockwise FP8 recipe; their choices are declared in
     ``moeblaze_megatron/config.py``), and ``expert_dtype``: "bfloat16"
     (default, as GroupedExperts) or "input".
     """

@@ -13,7 +13,10 @@ Peers (each skipped with a note when not importable): grouped_mm (torch._grouped
 torchtitan does it), megatron_sequential (Megatron-Core alltoall dispatcher + SequentialMLP),
 te_grouped (Megatron-Core alltoall dispatcher with the fused permutation + TEGroupedMLP, Transformer
 Engine's grouped GEMM: the stock MoE with TE at EP = 1; needs TE), megablocks (dMoE, grouped path),
-liger (Liger-Kernel's fused MoE), scattermoe.
+liger (Liger-Kernel's fused MoE), scattermoe, sonicmoe (SonicMoE's general-routing entry with our
+routing; ../shared/tools/sonic-peer.sh), and under the blockwise FP8 recipe moeblaze_fp8 and
+te_grouped_fp8 (checked against float64 at FP8's bar). A shape NAME@rN is NAME's widths with N
+rows per expert on average (the rows-per-expert sweeps: --configs qwen3@r64,qwen3@r512,...).
 """
 
 from __future__ import annotations

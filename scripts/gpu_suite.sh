@@ -26,7 +26,13 @@
 # local CUDA graphs over the whole layer, the MoE layer and the router scopes, the shared-expert
 # overlap's timeline; figures in recipe_gpu.json); "revisions" runs scripts/compare_revisions.py between
 # REVISIONS_OLD (default .old_rev: another revision's files, e.g. `git archive REV moeblaze_megatron |
-# tar x -C .old_rev`, git-ignored, carried) and this checkout on REVISIONS_CONFIGS. Every step's whole output
+# tar x -C .old_rev`, git-ignored, carried) and this checkout on REVISIONS_CONFIGS; "fp8" runs
+# tests/gpu/test_fp8_gpu.py (the FP8 kernels against the quantized math's reference, determinism, the
+# bf16 floor, no host synchronization) and times moeblaze_fp8 against moeblaze on FP8_CONFIGS (every
+# config by default), float64 checks first; "sweep" times SWEEP_IMPLS (moeblaze,sonicmoe,grouped_mm)
+# over rows per expert (SWEEP_ROWS, 64 to 8192) at the widths of SWEEP_BASES (qwen3 7b), moeblaze
+# profiled per kernel. SonicMoE is a peer wherever .whl/sonic_site.tar.xz travels
+# (../shared/tools/sonic-peer.sh; carry that file alone). Every step's whole output
 # is kept as $out/STEP.log. Results go to $OUT (default benchmarks/results/latest).
 #
 # Transformer Engine steps (TE must already be in /tmp/site: ../shared/tools/te-device.sh's
@@ -34,8 +40,9 @@
 #   te_check    scripts/gpu_megatron_check.py --te: MoEBlaze under the TE layer spec against stock
 #               alltoall + TEGroupedMLP (+ fused permutation and router), layer and GPTModel against a
 #               float32 local-spec oracle, torch_dist checkpoints both ways, step times (~3 min)
-#   te_layer    scripts/bench_layer.py, moeblaze against the te_grouped peer (TE_LAYER_CONFIGS, default
-#               every config; TE_LAYER_IMPLS, default moeblaze,te_grouped; 1 s timed after 0.5 s)
+#   te_layer    scripts/bench_layer.py, moeblaze against the te_grouped peer, in bf16 and under the
+#               blockwise FP8 recipe (TE_LAYER_CONFIGS, default every config; TE_LAYER_IMPLS, default
+#               moeblaze,moeblaze_fp8,te_grouped,te_grouped_fp8; 1 s timed after 0.5 s)
 #   te_select   per family of TE_FAMILIES (default "qwen3_moe deepseek_v3"): the stock variants
 #               (TE_VARIANTS, default te,te_unfused_router,te_op_fuser and te_shared_overlap where the
 #               family has a shared expert) timed TE_VARIANT_STEPS (8) steps each; the fastest is kept in
@@ -56,8 +63,8 @@ export PYTHONUNBUFFERED=1
 steps=" ${STEPS:-tests megatron routing layer silu} "
 for name in $steps; do
   case $name in
-    tests|megatron|recipe|revisions|routing|ring|tune|ncu|layer|silu|ws_ab|titan|te_check|te_layer|te_select|te_compare) ;;
-    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron recipe revisions routing ring tune ncu layer" \
+    tests|megatron|recipe|revisions|fp8|routing|ring|tune|ncu|layer|sweep|silu|ws_ab|titan|te_check|te_layer|te_select|te_compare) ;;
+    *) echo "gpu_suite: STEPS names '$name'; expected some of: tests megatron recipe revisions fp8 routing ring tune ncu layer sweep" \
          "silu ws_ab titan" \
          "te_check te_layer te_select te_compare"; exit 1 ;;
   esac
@@ -71,6 +78,11 @@ elif ! PYTHONPATH=/tmp/site python3 -c "import megatron.core" 2>/dev/null; then
   exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD:$PWD/.peers${PYTHONPATH:+:$PYTHONPATH}
+# SonicMoE and its CUTLASS DSL, xz-packed to fit a call (sonic-peer.sh's header): unpacked once per machine.
+if [ -f .whl/sonic_site.tar.xz ] && [ ! -d /tmp/s/site ]; then
+  mkdir -p /tmp/s && xz -dc .whl/sonic_site.tar.xz | tar -x -C /tmp/s || echo "gpu_suite: unpacking SonicMoE failed"
+fi
+[ -d /tmp/s/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/s/site:/tmp/s/site/nvidia_cutlass_dsl/python_packages
 if [[ $steps == *" te_"* ]] && ! python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
   echo "gpu_suite: the te_* steps need Transformer Engine in /tmp/site: run ../shared/tools/te-device.sh's five calls first"
   exit 1
@@ -104,6 +116,11 @@ MOEBLAZE_RECIPE_JSON="$out/recipe_gpu.json" step recipe "${RECIPE_S:-240}" 30 py
   tests/gpu/test_megatron_recipe_gpu.py -q -p no:cacheprovider -rA
 step revisions "${REVISIONS_S:-240}" 12 python3 scripts/compare_revisions.py --old "${REVISIONS_OLD:-.old_rev}" --new . \
   --configs "${REVISIONS_CONFIGS:-7b,qwen3}" --out "$out/compare_revisions.json"
+run_step fp8 fp8_tests "${FP8_TESTS_S:-240}" 12 python3 -m pytest tests/gpu/test_fp8_gpu.py -q -p no:cacheprovider -rA
+fp8_configs=()
+[ -n "${FP8_CONFIGS:-}" ] && fp8_configs=(--configs "$FP8_CONFIGS")
+run_step fp8 fp8_layer "${FP8_LAYER_S:-300}" 40 python3 scripts/bench_layer.py --out "$out" --tag bench_layer_fp8 \
+  ${fp8_configs[@]+"${fp8_configs[@]}"} --acts swiglu --reps 5 --seconds 1 --warmup-seconds 0.5 --impls moeblaze,moeblaze_fp8
 # shellcheck disable=SC2086  # TITAN_FLAGS is a list of flags
 step titan "${TITAN_S:-330}" 16 python3 scripts/compare_torchtitan.py --out "$out/compare_torchtitan" ${TITAN_FLAGS:-}
 step routing "${ROUTING_S:-60}" 24 python3 scripts/bench_routing.py --quick --out "$out/bench_routing_quick.json"
@@ -132,6 +149,12 @@ fi
 step layer "${LAYER_S:-260}" 200 python3 scripts/bench_layer.py --out "$out" --configs "${LAYER_CONFIGS:-qwen3,7b,conf4,dsv3}" \
   --acts "${LAYER_ACTS:-swiglu}" --reps 5 --impls "${LAYER_IMPLS:-moeblaze,grouped_mm,megatron_sequential,megablocks,liger,scattermoe}" \
   ${LAYER_FLAGS---profile}
+sweep_configs=""
+for base in ${SWEEP_BASES:-qwen3 7b}; do
+  for rows in ${SWEEP_ROWS:-64 128 256 512 1024 2048 4096 8192}; do sweep_configs+="${sweep_configs:+,}$base@r$rows"; done
+done
+step sweep "${SWEEP_S:-420}" 40 python3 scripts/bench_layer.py --out "$out" --tag bench_layer_sweep --configs "$sweep_configs" \
+  --acts swiglu --reps 5 --seconds 1 --warmup-seconds 0.5 --impls "${SWEEP_IMPLS:-moeblaze,sonicmoe,grouped_mm}" --profile
 step silu "${SILU_S:-30}" 12 python3 scripts/bench_layer.py --out "$out" --tag bench_layer_silu --configs conf4 --acts silu \
   --reps 5 --impls moeblaze,grouped_mm,megatron_sequential,megablocks,scattermoe
 for round in $(seq 1 "${WS_AB_ROUNDS:-3}"); do
@@ -150,7 +173,7 @@ te_layer_configs=()
 [ -n "${TE_LAYER_CONFIGS:-}" ] && te_layer_configs=(--configs "$TE_LAYER_CONFIGS")
 step te_layer "${TE_LAYER_S:-280}" 40 python3 scripts/bench_layer.py --out "$out" --tag bench_layer_te \
   ${te_layer_configs[@]+"${te_layer_configs[@]}"} --acts swiglu --reps 5 --seconds 1 --warmup-seconds 0.5 \
-  --impls "${TE_LAYER_IMPLS:-moeblaze,te_grouped}"
+  --impls "${TE_LAYER_IMPLS:-moeblaze,moeblaze_fp8,te_grouped,te_grouped_fp8}"
 te_state=${TE_STATE_DIR:-/tmp/moeblaze_te}
 [[ $steps == *" te_"* ]] && mkdir -p "$te_state"
 for family in ${TE_FAMILIES:-qwen3_moe deepseek_v3}; do

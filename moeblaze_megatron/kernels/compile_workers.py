@@ -438,7 +438,7 @@ def serve_stdio() -> None:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    for name in ("gather_gemm", "weight_grad", "combine", "plan_three_step", "plan_sort"):
+    for name in ("gather_gemm", "weight_grad", "fp8", "combine", "plan_three_step", "plan_sort"):
         with contextlib.suppress(Exception):
             importlib.import_module(f"{__package__}.{name}")
     replies.write(json.dumps({"ready": True}) + "\n")

@@ -196,6 +196,33 @@ def prune_weight_grad(configs, named_args, **kwargs):
     return keep
 
 
+def fp8_gemm_configs():
+    """The FP8 gather GEMM's configs: 128 columns (one scaling block of the SwiGLU forward's output,
+    one scale of a 128x128 weight block per reduction step) and 128 deep (one promotion a step)."""
+    if SETTINGS.interpret:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 128, "GROUP_M": 2}, num_warps=4)]
+    # Each accumulator takes a second register tile for the block's product before its promotion
+    # (two for the SwiGLU forward's gate and up): 64-row tiles over 8 warps keep them unspilled.
+    tiles = ((128, 8, 3), (128, 8, 4), (64, 8, 3), (64, 4, 4), (64, 4, 3))
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for bm, w, s in tiles[:1 if not SETTINGS.autotune else len(tiles)]]
+
+
+def prune_fp8_gemm(configs, named_args, **kwargs):
+    """One config for the activation backward (it rewrites pre: never timed); all for the others."""
+    args = {**named_args, **kwargs}
+    return configs[:1] if args["EPILOGUE"] == EPI_ACT_BWD or not SETTINGS.autotune else configs
+
+
+def fp8_weight_grad_configs():
+    """The FP8 weight gradient's configs (128 rows of the reduction a step: one scaling block)."""
+    if SETTINGS.interpret:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4)]
+    tiles = ((128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3))
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in tiles[:1 if not SETTINGS.autotune else len(tiles)]]
+
+
 def _tile(config) -> tuple:
     return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"], config.num_warps
 

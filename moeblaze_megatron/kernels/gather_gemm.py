@@ -81,6 +81,35 @@ def _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M: tl.constexpr, E_POW2: tl
     return e, row_lo, row_lo + (pid_m - first_tile) * BLOCK_M, row_end, pid_m < tl.sum(tiles, axis=0)
 
 
+@triton.jit
+def grouped_tile(pid, m_tiles, n_tiles, offsets_ptr, E, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
+                 E_POW2: tl.constexpr):
+    """Output tile ``pid`` of ``m_tiles`` x ``n_tiles``, row tiles grouped by GROUP_M: (column tile,
+    expert, the expert's first row, the tile's first row, end of the expert's rows, tile exists)."""
+    in_group = GROUP_M * n_tiles
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+    e, row_lo, row0, row_end, exists = _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M, E_POW2)
+    return pid_n, e, row_lo, row0, row_end, exists
+
+
+@triton.jit
+def tile_rows_and_cols(row0, row_end, pid_n, N, token_idx_ptr, GATHER_A: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+    """A tile's rows (in expert order), which are the expert's, the rows of A they read (the
+    tokens with GATHER_A, else themselves, 64-bit), its columns and which are inside N."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    if GATHER_A:
+        src = tl.load(token_idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, row_ok, src, cols, cols < N
+
+
 # (A constexpr: the kernel reads it as a global.)
 _DS_COLS = tl.constexpr(DS_COLS)
 
@@ -152,24 +181,13 @@ def _gather_gemm_tile(
 ):
     """Output tile ``pid`` of ``m_tiles`` x ``n_tiles`` (row tiles grouped by GROUP_M)."""
     GLU: tl.constexpr = ACT == 0 and EPILOGUE != 0
-    in_group = GROUP_M * n_tiles
-    first_m = (pid // in_group) * GROUP_M
-    group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_rows
-    pid_n = (pid % in_group) // group_rows
-
-    e, row_lo, row0, row_end, exists = _expert_of_row_tile(pid_m, offsets_ptr, E, BLOCK_M, E_POW2)
+    pid_n, e, row_lo, row0, row_end, exists = grouped_tile(pid, m_tiles, n_tiles, offsets_ptr, E, BLOCK_M, GROUP_M,
+                                                           E_POW2)
     # A persistent kernel visits existing tiles only; an if around the main loop would keep the
     # compiler from pipelining across tiles.
     if PERSISTENT or exists:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < row_end
-        if GATHER_A:
-            src = tl.load(token_idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-        else:
-            src = rows.to(tl.int64)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
+        rows, row_ok, src, cols, col_ok = tile_rows_and_cols(row0, row_end, pid_n, N, token_idx_ptr, GATHER_A,
+                                                             BLOCK_M, BLOCK_N)
         # The SwiGLU forward multiplies by the gate columns and the up columns N further on as one
         # [BLOCK_K, 2 * BLOCK_N] tile: one matrix-instruction chain twice as wide, x read once.
         # Halves in two tensors (SPLIT_B) take one chain each, into two accumulators.
@@ -235,7 +253,7 @@ def _gather_gemm_tile(
             # (a whole 256-wide tile's saved pre-activations at once would spill), each chunk's
             # loads issued before the previous chunk's stores.
             p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-            ds_lo, ds_hi = _act_bwd_epilogue(to_storage(acc, out_dtype, ROUND_BF16_BY_HAND), p, r64, row_ok, pid_n * BLOCK_N,
+            ds_lo, ds_hi = act_bwd_epilogue(to_storage(acc, out_dtype, ROUND_BF16_BY_HAND), p, r64, row_ok, pid_n * BLOCK_N,
                                              N, c_ptr, pre_ptr, stride_cm, stride_pm, ACT, GLU, ROUND_BF16_BY_HAND, BLOCK_M,
                                              BLOCK_N)
             # One partial per _DS_COLS columns, as the warp-specialized dH writes them; a narrower
@@ -335,7 +353,7 @@ def _act_bwd_chunk(acc, g, up, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_c
 
 
 @triton.jit
-def _act_bwd_epilogue(dh, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm,
+def act_bwd_epilogue(dh, p, r64, row_ok, col0, N, c_ptr, pre_ptr, stride_cm, stride_pm,
                       ACT: tl.constexpr, GLU: tl.constexpr, ROUND_BF16_BY_HAND: tl.constexpr,
                       ROWS: tl.constexpr, COLS: tl.constexpr):
     """The activation backward on COLS columns of dH from col0, in four chunks. Returns the rows'

@@ -34,7 +34,7 @@ _HOST = dict(dtype=torch.int64, device="cpu")
 
 
 def compiled_alltoall_moe(x, topk_ids, topk_probs, fc1, fc2, group, *, activation="swiglu", recompute="activation",
-                          routing_method="auto", backend="auto", chosen=-1):
+                          routing_method="auto", backend="auto", chosen=-1, fp8=None):
     """The experts over ``group`` (x [T, d], global ``topk_ids`` [T, K], this rank's experts: fc1
     [E_local, 2F or F, d] or its (gate, up) pair, fc2 [E_local, d, F]) as ops that torch.compile
     keeps whole. Each token goes once to each rank holding one of its experts; the partial outputs
@@ -46,7 +46,7 @@ def compiled_alltoall_moe(x, topk_ids, topk_probs, fc1, fc2, group, *, activatio
     recv_x, recv_ids, recv_probs, used_slots, send_token, send_slot, _, splits = torch.ops.moeblaze.ep_dispatch(
         x, topk_ids, topk_probs, experts, name, chosen)
     out = moe_mlp(recv_x, recv_ids, recv_probs, fc1, fc2, activation, recompute=recompute, backend=backend,
-                  routing_method=routing_method, validate=False, used_slots=used_slots)
+                  routing_method=routing_method, validate=False, used_slots=used_slots, fp8=fp8)
     return torch.ops.moeblaze.ep_combine(out, send_token, send_slot, splits, name)
 
 

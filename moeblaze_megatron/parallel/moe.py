@@ -120,7 +120,7 @@ def run_routed(rows, routing: ExpertRouting, topk_probs, fc1, fc2, *, options: M
         return _ring(rows, routing.topk_ids, topk_probs, fc1, fc2, routing.group, routing.mode, options, activation)
     return moe_mlp(rows, routing.topk_ids, topk_probs, fc1, fc2, activation, recompute=options.recompute,
                    backend=options.backend, routing_method=options.routing_method, validate=False,
-                   used_slots=routing.used_slots)
+                   used_slots=routing.used_slots, fp8=options.fp8)
 
 
 def expert_parallel_moe(x, topk_ids, topk_probs, fc1, fc2, group, *, options: MoEBlazeConfig,
@@ -141,13 +141,14 @@ def expert_parallel_moe(x, topk_ids, topk_probs, fc1, fc2, group, *, options: Mo
         tokens, x, topk_probs, weights, ranks), x.device, compiling=compiling)
     if mode is EPMode.LOCAL:
         return moe_mlp(x, topk_ids, topk_probs, fc1, fc2, activation, recompute=options.recompute,
-                       backend=options.backend, routing_method=options.routing_method, validate=False)
+                       backend=options.backend, routing_method=options.routing_method, validate=False,
+                       fp8=options.fp8)
     _check_args(x, topk_ids, topk_probs, fc1, fc2, ranks, activation, options)
     if mode is EPMode.ALLTOALL:
         if compiling:
             return compiled_alltoall_moe(x, topk_ids, topk_probs, fc1, fc2, group, activation=activation,
                                          recompute=options.recompute, routing_method=options.routing_method,
-                                         backend=options.backend, chosen=chosen)
+                                         backend=options.backend, chosen=chosen, fp8=options.fp8)
         return _alltoall(x, topk_ids, topk_probs, fc1, fc2, group, options, activation, record)
     return _ring(x, topk_ids, topk_probs, fc1, fc2, group, mode, options, activation, compiling, chosen)
 
@@ -160,7 +161,7 @@ def _check_args(x, topk_ids, topk_probs, fc1, fc2, ranks, activation, options):
 
     check_moe_mlp_args(x, topk_ids, topk_probs, tuple(map(whole, fc1)) if isinstance(fc1, tuple) else whole(fc1),
                        whole(fc2), activation, None, options.recompute, options.backend, options.routing_method,
-                       validate=False)
+                       validate=False, fp8=options.fp8)
 
 
 def _alltoall(x, topk_ids, topk_probs, fc1, fc2, group, options, activation, record):

@@ -16,7 +16,26 @@ import math
 
 import torch
 
-CONFIGS = {
+class _Shapes(dict):
+    """The named shapes; ``NAME@rN`` (any name or alias) is NAME's widths with N rows per expert on
+    average (T = N * E / K): the rows-per-expert sweeps."""
+
+    def __missing__(self, name):
+        base, sep, rows = name.partition("@r")
+        if not sep or not rows.isdigit() or config_name(base) not in self:
+            raise KeyError(name)
+        _, d, h, E, K = self[config_name(base)]
+        return (max(1, int(rows) * E // K), d, h, E, K)
+
+    def __contains__(self, name):
+        try:
+            self[name]
+        except KeyError:
+            return False
+        return True
+
+
+CONFIGS = _Shapes({
     "paper-d512-e4-k1": (16 * 512, 512, 2048, 4, 1),
     "filled-d512-e8-k2": (16 * 1024, 512, 2048, 8, 2),
     "paper-d1024-e16-k4": (16 * 1024, 1024, 4096, 16, 4),
@@ -27,7 +46,7 @@ CONFIGS = {
     "qwen3-30b-like": (32768, 2048, 768, 128, 8),
     "7b-fine-grained": (24576, 1536, 256, 128, 8),
     "dsv3-like": (8192, 7168, 2048, 256, 8),
-}
+})
 # The MoEBlaze paper's names (Table 1), and short names.
 PAPER_NAMES = {"conf1": "paper-d512-e4-k1", "conf2": "filled-d512-e8-k2", "conf3": "paper-d1024-e16-k4",
                "conf4": "paper-d2048-e16-k4", "conf5": "filled-d1024-e8-k2", "conf6": "filled-d2048-e8-k2",
@@ -36,8 +55,10 @@ ALIASES = {**PAPER_NAMES, "qwen3": "qwen3-30b-like", "7b": "7b-fine-grained", "d
 
 
 def config_name(name: str) -> str:
-    """The CONFIGS key a name or alias stands for (unknown names are returned as given)."""
-    return ALIASES.get(name, name)
+    """The CONFIGS key a name or alias stands for (unknown names are returned as given); an
+    alias keeps its ``@rN`` suffix (``qwen3@r512`` -> ``qwen3-30b-like@r512``)."""
+    base, sep, rows = name.partition("@r")
+    return ALIASES.get(base, base) + sep + rows
 
 
 def config_names(comma_list: str) -> list[str]:

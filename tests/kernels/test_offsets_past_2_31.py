@@ -136,3 +136,47 @@ def test_combine_reaches_rows_past_2_31():
     for want, got in zip(both(rows, ds), both(far_copy(rows, FAR_ROWS), far_copy(ds, FAR_ROWS))):
         assert not want.isnan().any()
         assert torch.equal(got, want)
+
+
+def test_fp8_kernels_reach_rows_past_2_31():
+    """The FP8 kernels (row quantization, the gather GEMM's four uses, the weight gradients) on
+    tokens and rows in expert order past 2**31 elements: the compact launches' bits. The quantized
+    weights are the kernels' own contiguous copies (expert offsets in 64 bits)."""
+    from moeblaze_megatron.fp8 import expert_weights
+    from moeblaze_megatron.kernels import fp8 as k8
+
+    plan, width, x, dy, fc1, fc2, probs = _problem(11, "swiglu", torch.bfloat16)
+    weights = expert_weights(fc1, fc2, 0)
+    rows, blocks_d, blocks_h = T * K, math.ceil(D / 128), math.ceil(H / 128)
+
+    def run(x, dy, alloc):
+        xq, xs, dyq, dys = alloc((T, D), torch.uint8), alloc((T, blocks_d)), alloc((T, D), torch.uint8), \
+            alloc((T, blocks_d))
+        k8.quantize_rows(x, xq, xs, 0)
+        k8.quantize_rows(dy, dyq, dys, 1)
+        pre, hq, hs = alloc((rows, width), torch.bfloat16), alloc((rows, H), torch.uint8), alloc((rows, blocks_h))
+        k8.fp8_gemm(xq, xs, tuple(w.pair for w in weights.fc1), hq, plan, epilogue=EPI_ACT_FWD, pre=pre,
+                    out_scales=hs)
+        saved_pre = pre.clone()
+        out2 = alloc((rows, D), torch.bfloat16)
+        k8.fp8_gemm(hq, hs, weights.fc2.pair, out2, plan, gather_a=False)
+        h_scaled, ds = alloc((rows, H), torch.bfloat16), alloc((rows, blocks_h))
+        k8.fp8_gemm(dyq, dys, weights.fc2_t.pair, h_scaled, plan, epilogue=EPI_ACT_BWD, a_fmt=1, pre=pre,
+                    probs_sorted=probs, ds_partial=ds)
+        dx = alloc((rows, D), torch.bfloat16)
+        k8.fp8_gemm(pre, None, tuple(w.pair for w in weights.fc1_t), dx, plan, gather_a=False, a_fmt=1, split_k=True)
+        dw2 = torch.full(tuple(fc2.shape), float("nan"))
+        k8.fp8_weight_grad(dy, h_scaled, dw2, plan, gather_a=True, gather_b=False, a_fmt=1)
+        return xq, xs, dyq, dys, saved_pre, hq, hs, out2, h_scaled, ds, pre, dx, dw2
+
+    compact = run(x, dy, lambda shape, dt=torch.float32: torch.full(shape, 0x55 if dt == torch.uint8 else float("nan"),
+                                                                     dtype=dt))
+    far_ones = run(far_copy(x, FAR_TOKENS), far_copy(dy, FAR_TOKENS),
+                   lambda shape, dt=torch.float32: far(shape, dt, FAR_TOKENS if shape[0] == T else FAR_ROWS,
+                                                       fill=0x55 if dt == torch.uint8 else float("nan")))
+    used = int(plan.expert_token_offsets[-1])
+    for want, got in zip(compact, far_ones):
+        if want.shape[0] == rows:
+            want, got = want[:used], got[:used]
+        assert not (want.isnan().any() if want.dtype.is_floating_point else False)
+        assert torch.equal(got, want)

@@ -64,7 +64,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--train-iters", "1", "--vocab-size", "64", "--moe-token-dispatcher-type", "moeblaze", *NO_TE_ARGS]
 FLAGS = ["--moeblaze-recompute", "fc1", "--moeblaze-backend", "reference", "--moeblaze-routing-method", "torch",
          "--moeblaze-ep-mode", "auto", "--moeblaze-ring-mode", "token"]
-WANT = dict(recompute="fc1", backend="reference", routing_method="torch", ep_mode="auto", ring_mode="token")
+WANT = dict(recompute="fc1", backend="reference", routing_method="torch", ep_mode="auto", ring_mode="token", fp8=None)
 
 
 def _run(tmp_path, how: str, argv: list[str]):

@@ -216,7 +216,10 @@ def test_add_moeblaze_args_twice_is_harmless():
 @pytest.mark.parametrize(
     "flags,named",
     [
-        (["--fp8-format", "e4m3"], "fp8"),
+        (["--fp8-format", "e4m3"], "fp8_recipe='delayed'"),
+        (["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"], "use --fp8-recipe blockwise"),
+        (["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"], "MXFP8 needs Blackwell"),
+        (["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--fp8-param-gather"], "fp8_param"),
         (["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"], "moe_pad_expert_input_to_capacity"),
         (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "expert_tensor_parallel_size=2"),
         (["--expert-tensor-parallel-size", "2"], "expert_tensor_parallel_size=2"),

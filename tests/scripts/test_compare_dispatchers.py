@@ -306,16 +306,17 @@ def test_every_argument_is_checked_before_anything_trains(nothing_trains, capsys
     assert errors[-1].startswith(f"compare_dispatchers.py: error: {message}"), errors
 
 
-def test_fp8_is_refused_by_the_plugin_before_anything_trains(nothing_trains, capsys):
-    """fp8 in --megatron-args (either form): the plugin's own refusal, as one error line naming
-    --megatron-args, exit status 2, no traceback."""
+def test_fp8_recipe_is_refused_by_the_plugin_before_anything_trains(nothing_trains, capsys):
+    """fp8 in --megatron-args (either form) under Megatron's default recipe (delayed): the plugin's
+    own refusal, as one error line naming --megatron-args, exit status 2, no traceback."""
     for argv in (["--megatron-args=--fp8-format e4m3"], ["--megatron-args", "--fp8-format", "e4m3"]):
         assert compare_dispatchers.main(["--device", "cpu", *argv]) == 2
         err = capsys.readouterr().err
         errors = [line for line in err.splitlines() if "error:" in line]
         assert errors == [
             "compare_dispatchers.py: error: --megatron-args --fp8-format e4m3: moe_token_dispatcher_type='moeblaze' "
-            "does not support: fp8 (--fp8-format): MoEBlaze experts compute in bf16/fp16/fp32; drop fp8"], err
+            "does not support: fp8_recipe='delayed': MoEBlaze's FP8 experts run the blockwise recipe only; use "
+            "--fp8-recipe blockwise (Megatron-Core's recipe for Hopper)"], err
         assert "Traceback" not in err
 
 

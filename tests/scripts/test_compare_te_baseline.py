@@ -256,11 +256,14 @@ def test_the_te_form_refuses_fp8_as_the_plugin_says_it(monkeypatch, with_te):
     args = args_for(stock_variants="te,te_unfused_router", megatron_args=["--fp8-format", "e4m3"])
     compare.resolve_stock_form(args, CUDA)
     with pytest.raises(comparison.ArgumentError, match=r"^--megatron-args --fp8-format e4m3: "
-                       r"moe_token_dispatcher_type='moeblaze' does not support: fp8 \(--fp8-format\)") as error:
+                       r"moe_token_dispatcher_type='moeblaze' does not support: fp8_recipe='delayed'") as error:
         compare.check_megatron_args(args, CUDA)
     assert error.value.code == 2
     args.megatron_args = []
     compare.check_megatron_args(args, CUDA)  # every variant's runs parse and validate
+    # Megatron-Core's Hopper recipe: both runs take it (MoEBlaze's experts in FP8, stock's TE ones).
+    args.megatron_args = ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise", "--moe-router-padding-for-fp8"]
+    compare.check_megatron_args(args, CUDA)
 
 
 def test_recipe_forms_give_both_runs_the_recipe(with_te):

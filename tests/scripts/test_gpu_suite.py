@@ -25,6 +25,21 @@ def test_te_grouped_peer_is_listed_and_skipped_without_te():
     assert len(notes) == 1 and notes[0].startswith("te_grouped: not run") and "Transformer Engine" in notes[0]
 
 
+def test_fp8_peers_are_listed_and_moeblazes_meets_its_check():
+    """moeblaze_fp8 passes the benchmark's float64 check at FP8's bar (not bf16's), and is not
+    the bf16 op; te_grouped_fp8 is skipped without TE as te_grouped is."""
+    from benchlib.accuracy import CHECK_TOL, check_impl
+    from benchlib.baselines import FP8_CHECK_TOL, IMPL_CLASSES
+
+    assert {"moeblaze_fp8", "te_grouped_fp8"} <= set(IMPLS)
+    fp8, bf16 = (check_impl(IMPL_CLASSES[name], 48, 256, 128, 4, 2, "swiglu", torch.bfloat16, torch.device("cpu"), 1)
+                 for name in ("moeblaze_fp8", "moeblaze"))
+    assert max(fp8.values()) < FP8_CHECK_TOL and max(fp8.values()) > max(CHECK_TOL, max(bf16.values())), (fp8, bf16)
+    notes = []
+    assert available_impls(["te_grouped_fp8"], torch.bfloat16, torch.device("cpu"), notes) == {}
+    assert len(notes) == 1 and notes[0].startswith("te_grouped_fp8: not run"), notes
+
+
 def test_gpu_check_te_refuses_the_cpu():
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_megatron_check.py"), "--te", "--device", "cpu"],
                           capture_output=True, text=True, timeout=120)
@@ -154,3 +169,35 @@ def test_gpu_suite_ws_ab_step(tmp_path):
     knobs = [line.split()[0] for line in (tmp_path / "knobs.log").read_text().splitlines()
              if line.endswith("scripts/bench_layer.py")]
     assert knobs == ["fwd", "1", "fwd", "1"]
+
+
+def test_gpu_suite_fp8_step_commands(tmp_path):
+    """STEPS=fp8: the FP8 GPU tests, then bench_layer.py (its own parser takes the command) timing
+    moeblaze_fp8 against moeblaze on FP8_CONFIGS."""
+    out, done, calls = _fake_suite(tmp_path, STEPS="fp8", FP8_CONFIGS="qwen3,conf4")
+    runs = (tmp_path / "calls.log").read_text().splitlines()
+    assert any(c.startswith("-m pytest tests/gpu/test_fp8_gpu.py") for c in runs), runs
+    assert calls == [c for c in calls if c.startswith("scripts/bench_layer.py")] and len(calls) == 1
+    assert "--configs qwen3,conf4" in calls[0] and "--impls moeblaze,moeblaze_fp8" in calls[0]
+    assert all("rc=0" in line for line in done.stdout.splitlines() if line.startswith("== ") and "rc=" in line)
+
+
+def test_gpu_suite_sweep_step_commands(tmp_path):
+    """STEPS=sweep: one bench_layer.py run (its parser takes the command) over NAME@rN shapes, rows
+    per expert at the bases' widths, SonicMoE among the peers, moeblaze profiled."""
+    out, done, calls = _fake_suite(tmp_path, STEPS="sweep", SWEEP_BASES="qwen3", SWEEP_ROWS="64 8192")
+    assert len(calls) == 1 and "--configs qwen3@r64,qwen3@r8192 " in calls[0], calls
+    assert "--impls moeblaze,sonicmoe,grouped_mm" in calls[0] and "--profile" in calls[0]
+
+
+def test_rows_per_expert_shapes():
+    from benchlib.shapes import CONFIGS, config_names
+
+    names = config_names("qwen3@r512,7b@r64,conf4")
+    assert names == ["qwen3-30b-like@r512", "7b-fine-grained@r64", "paper-d2048-e16-k4"]
+    assert CONFIGS[names[0]] == (8192, 2048, 768, 128, 8) and CONFIGS[names[1]] == (1024, 1536, 256, 128, 8)
+    assert "qwen3@r5x" not in CONFIGS and "bogus@r64" not in CONFIGS and names[0] in CONFIGS
+    assert "sonicmoe" in IMPLS
+    notes = []
+    assert available_impls(["sonicmoe"], torch.bfloat16, torch.device("cpu"), notes) == {}
+    assert notes == ["sonicmoe: not run (RuntimeError: sonicmoe runs on CUDA (CuTe-DSL kernels))"], notes

@@ -197,3 +197,31 @@ def test_fused_kernels_take_w1_and_w3_where_they_are(monkeypatch):
     w1, w3 = experts.w1_EFD, experts.w3_EFD
     assert len(seen) == 2 and all(isinstance(fc1, tuple) and fc1[0] is w1 and fc1[1] is w3 for fc1 in seen)
     assert w1.grad.is_contiguous() and w3.grad.is_contiguous() and torch.isfinite(w1.grad).all()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+def test_fp8_option_runs_the_experts_in_fp8(fmt):
+    """{"fp8": ...}: the routed experts' GEMMs under the blockwise recipe, within FP8's error of
+    the float64 oracle (the router and the shared experts stay as they are), not the bf16 bits."""
+    cfg, state, x, grad_y, _, oracle, _ = _stock_and_oracle("softmax_top2")
+    got = run_moe(with_override(cfg, backend="reference", fp8=fmt), state, x, grad_y)
+    bf16 = run_moe(with_override(cfg, backend="reference"), state, x, grad_y)
+    tol = {"e4m3": 0.12, "hybrid": 0.2}[fmt]
+    failures = _compare("softmax_top2", got, oracle, lambda name: tol, fmt)
+    assert not failures, "\n".join(failures)
+    assert not torch.equal(got["y"], bf16["y"])
+    assert got["module"].routed_experts.options.fp8 == fmt
+
+
+def test_torchtitans_float8_experts_are_refused_with_the_fp8_option_named():
+    from torchtitan.components.quantization.float8 import _get_float8_grouped_experts_cls
+    from torchtitan.models.common.moe import GroupedExperts
+
+    from moeblaze_megatron.torchtitan import moeblaze_experts
+
+    cfg = make_moe_config("softmax_top2").routed_experts
+    quantized = _get_float8_grouped_experts_cls(GroupedExperts).Config
+    cfg.inner_experts = quantized(**{f: getattr(cfg.inner_experts, f) for f in cfg.inner_experts.__slots__
+                                     if hasattr(cfg.inner_experts, f)})
+    with pytest.raises(ValueError, match=r"inner_experts is Float8GroupedExperts.Config.*\{\"fp8\": \"e4m3\"\}"):
+        moeblaze_experts(cfg)
