@@ -25,7 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .kernels.fp8_formats import FP8_BLOCK, FP8_E4M3, FP8_E5M2, FP8_MAX
 
 __all__ = ["FP8_TORCH_DTYPES", "Fp8ExpertWeights", "Fp8Weight", "dequantize_columns", "dequantize_rows",
-           "expert_weights", "format_ids", "quantize_blocks", "quantize_rows", "weights_generation"]
+           "expert_weights", "format_ids", "quantize_blocks", "quantize_rows"]
 
 FP8_TORCH_DTYPES = {FP8_E4M3: torch.float8_e4m3fn, FP8_E5M2: torch.float8_e5m2}
 
@@ -143,11 +143,6 @@ class Fp8ExpertWeights:
 # changes its version counter, which the cache also keys on.
 _generation = [0]
 _hook = []
-
-
-def weights_generation() -> int:
-    """How many optimizer steps have run since the cache's hook was installed."""
-    return _generation[0]
 
 
 def _advance(*_):

@@ -145,8 +145,8 @@ def fused_fp8_forward(x, topk_probs, weights, plan, activation, fmts, *, save_pr
 
 
 def fused_fp8_backward(grad_y, x, probs_sorted, weights, plan, activation, fmts, pre, needs):
-    """The backward pass under the blockwise FP8 recipe: ``fused_backward``'s results (the weight
-    gradients stacked as fc1's quantized parts are: a (gate, up) pair for SwiGLU). dY is quantized
+    """The backward pass under the blockwise FP8 recipe: ``fused_backward``'s results, the weight
+    gradients in x's dtype as there (fc1's as its quantized parts are: a (gate, up) pair for SwiGLU). dY is quantized
     once; dX quantizes d pre as it loads it; the weight gradients quantize both operands along the
     tokens inside the kernel."""
     fwd, bwd = fmts
@@ -171,13 +171,13 @@ def fused_fp8_backward(grad_y, x, probs_sorted, weights, plan, activation, fmts,
     grad_pre = pre
     grad_x = grad_probs = grad_fc1 = grad_fc2 = None
     if need_fc2:
-        grad_fc2 = x.new_empty(weights.fc2.codes.shape, dtype=torch.float32)
+        grad_fc2 = x.new_empty(weights.fc2.codes.shape)
         fp8_weight_grad(grad_y, h_scaled, grad_fc2, plan, gather_a=True, gather_b=False, a_fmt=bwd, b_fmt=fwd)
     del h_scaled
     if need_fc1:
         grad_fc1 = []
         for i in range(parts):
-            out = x.new_empty(weights.fc1[i].codes.shape, dtype=torch.float32)
+            out = x.new_empty(weights.fc1[i].codes.shape)
             fp8_weight_grad(grad_pre[:, i * ffn:(i + 1) * ffn], x, out, plan, gather_a=False, gather_b=True,
                             a_fmt=bwd, b_fmt=fwd)
             grad_fc1.append(out)

@@ -14,7 +14,7 @@ takes them stacked.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -87,9 +87,6 @@ def build_plan(x, topk_ids, topk_probs, fc1, fc2, num_experts: int, options: Pas
     ``used_slots`` where the caller knows how many are used; at a layer's first call of its kind
     the kernels it will launch go to the compile workers first (``warmup.prepare``)."""
     rows = topk_ids.numel() if used_slots is None else used_slots
-    if options.fp8 is not None:
-        # The compile workers' prefetch knows the bf16 kernels' launches only.
-        options = replace(options, backend="reference") if options.backend == "triton" else options
     method = warmup.prepare(x, topk_ids, topk_probs, fc1, fc2, num_experts, rows, options, needs)
     plan = build_routing_plan(topk_ids, num_experts, method=method, validate=False)
     return plan if used_slots is None else plan.trimmed(used_slots)
@@ -139,7 +136,7 @@ def backward(grad_y, x, topk_probs, probs_sorted, fc1, fc2, plan, pre, options: 
     gradient, or None to recompute them (the first GEMM again)."""
     if _nothing_routed(x, plan):
         if options.fp8 is not None:
-            zeros = lambda w: x.new_zeros(w.codes.shape, dtype=torch.float32)  # noqa: E731
+            zeros = lambda w: x.new_zeros(w.codes.shape)  # noqa: E731
             weight_grads = tuple(map(zeros, fc1.fc1)), zeros(fc1.fc2)
         else:
             weight_grads = (tuple(map(torch.zeros_like, fc1)) if isinstance(fc1, tuple) else torch.zeros_like(fc1),

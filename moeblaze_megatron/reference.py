@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fp8 import dequantize_columns, dequantize_rows, quantize_rows
+
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -120,8 +122,6 @@ def reference_fp8_forward(x, topk_probs, weights, plan, activation, fmts, *, sav
     ``reference_forward``'s. ``weights``: ``fp8.Fp8ExpertWeights``; ``fmts``: (forward, gradient)
     formats. Each GEMM multiplies the dequantized operands in float64; pre is stored in x's dtype
     and fc2's input is act(pre) quantized per 128 columns, as the kernels do."""
-    from .fp8 import dequantize_rows, quantize_rows
-
     fwd = fmts[0]
     x_q = dequantize_rows(*quantize_rows(x, fwd), fwd)
     fc1 = torch.cat([w.dequantized(weights.fmt) for w in weights.fc1], dim=1)
@@ -143,11 +143,9 @@ def reference_fp8_backward(grad_y, x, topk_probs, weights, plan, activation, fmt
     """The backward pass under the blockwise FP8 recipe: ``reference_backward``'s results. dY is
     quantized once per row; dX's operand d pre per 128 columns of each half; the weight
     gradients' operands per column over each 128 of an expert's rows."""
-    from .fp8 import dequantize_columns, dequantize_rows, quantize_rows
-
     fwd, bwd = fmts
     dy_q = dequantize_rows(*quantize_rows(grad_y.contiguous(), bwd), bwd)
-    x_q = dequantize_rows(*quantize_rows(x, fwd), fwd)
+    x_q = dequantize_rows(*quantize_rows(x, fwd), fwd) if pre_all is None else None
     fc1 = torch.cat([w.dequantized(weights.fmt) for w in weights.fc1], dim=1)
     fc2 = weights.fc2.dequantized(weights.fmt)
     parts = len(weights.fc1)

@@ -70,7 +70,8 @@ def prepare(x, topk_ids, topk_probs, fc1, fc2, num_experts: int, rows: int, opti
         return method
     plan_sent = method in ("three_step", "sort") and compile_workers.running() and _prefetch_plan_build(
         method, topk_ids, num_experts)
-    if options.backend == "triton":
+    # The layer's launches are recorded from the bf16 passes: the FP8 kernels compile at first use.
+    if options.backend == "triton" and options.fp8 is None:
         _prefetch_layer(x, topk_ids, topk_probs, fc1, fc2, num_experts, rows, options, needs)
     # The PyTorch build synchronizes with the host: not inside a CUDA graph's capture.
     if (plan_sent and num_experts * topk_ids.shape[0] <= TORCH_PLAN_MAX_CELLS

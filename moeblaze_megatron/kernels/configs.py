@@ -202,7 +202,8 @@ def fp8_gemm_configs():
     if SETTINGS.interpret:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 128, "GROUP_M": 2}, num_warps=4)]
     # Each accumulator takes a second register tile for the block's product before its promotion
-    # (two for the SwiGLU forward's gate and up): 64-row tiles over 8 warps keep them unspilled.
+    # (two for the SwiGLU forward's gate and up): 64-row tiles over 8 warps are offered for the
+    # register pressure that makes (untimed yet: benchmarks/notes/fp8.md).
     tiles = ((128, 8, 3), (128, 8, 4), (64, 8, 3), (64, 4, 4), (64, 4, 3))
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": 128, "GROUP_M": 8}, num_warps=w, num_stages=s)
             for bm, w, s in tiles[:1 if not SETTINGS.autotune else len(tiles)]]

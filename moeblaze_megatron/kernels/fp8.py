@@ -38,13 +38,15 @@ __all__ = ["FP8_BLOCK", "FP8_E4M3", "FP8_E5M2", "FP8_MAX", "fp8_gemm", "fp8_gemm
            "fp8_weight_grad_call", "quantize_rows"]
 
 _BLOCK = tl.constexpr(FP8_BLOCK)
+_E4M3_MAX = tl.constexpr(FP8_MAX[FP8_E4M3])
+_E5M2_MAX = tl.constexpr(FP8_MAX[FP8_E5M2])
 
 
 @triton.jit
 def block_scale(amax, FMT: tl.constexpr):
     """(scale, inverse scale) for blocks of absolute maximum ``amax``: scale = 2^e, the largest
     with amax * scale <= the format's maximum (e clamped to [-126, 126]), 1 where amax is 0."""
-    MAXV: tl.constexpr = 448.0 if FMT == 0 else 57344.0
+    MAXV: tl.constexpr = _E4M3_MAX if FMT == 0 else _E5M2_MAX
     ratio = tl.div_rn(tl.full(amax.shape, MAXV, tl.float32), tl.where(amax == 0, 1.0, amax))
     e = (ratio.to(tl.int32, bitcast=True) >> 23) & 255
     e = tl.where(amax == 0, 127, tl.minimum(tl.maximum(e, 1), 253))
@@ -54,7 +56,7 @@ def block_scale(amax, FMT: tl.constexpr):
 @triton.jit
 def quantize_fp8(v, scale, FMT: tl.constexpr):
     """The FP8 codes (uint8) of v * scale, saturated to the format's maximum, rounded to nearest even."""
-    MAXV: tl.constexpr = 448.0 if FMT == 0 else 57344.0
+    MAXV: tl.constexpr = _E4M3_MAX if FMT == 0 else _E5M2_MAX
     v = tl.minimum(tl.maximum(v * scale, -MAXV), MAXV)
     if INTERPRETED:
         return _encode_by_hand(v, FMT)
@@ -358,3 +360,10 @@ def fp8_weight_grad_call(a, b, out, plan, *, gather_a, gather_b, a_fmt=FP8_E4M3,
             a.stride(0), b.stride(0), out.stride(0), out.stride(1))
     constexprs = dict(GATHER_A=gather_a, GATHER_B=gather_b, A_FMT=a_fmt, B_FMT=b_fmt, ROUND_BF16_BY_HAND=mend)
     return KernelCall(fp8_weight_grad_kernel, grid, args, constexprs)
+
+
+# The helpers read constexpr globals (INTERPRETED, the formats' maxima): their cache keys computed
+# at import, as numerics' are, so every process files a kernel under one key.
+for _helper in (block_scale, quantize_fp8, fp8_operand, fp8_dot):
+    getattr(_helper, "cache_key", None)
+del _helper
